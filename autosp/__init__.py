@@ -1,0 +1,14 @@
+"""autosp: sequence parallelism for single-device PyTorch training code, by annotation.
+
+    with autosp.mesh(sp=N):
+        @autosp.shard(seq=True)
+        def loss_fn(input_ids, labels):
+            return model(input_ids=input_ids, labels=labels).loss
+"""
+from ._plan import Collective, Plan
+from .annotations import GraphBreakError, Mesh, annotate, current_mesh, explain, mesh, shard
+from .errors import PlanError, UnsupportedOpError
+
+__all__ = ["mesh", "shard", "annotate", "explain", "current_mesh", "Mesh", "Plan", "Collective",
+           "PlanError", "UnsupportedOpError", "GraphBreakError"]
+__version__ = "0.1.0"

@@ -1,0 +1,93 @@
+"""The plan ``autosp.explain`` returns: every node's placement and every inserted collective."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .errors import source_line
+from .propagate._placement import nbytes, redistribute_kind, transfer_bytes
+from .propagate._rules import out_vals, tensor_inputs
+from .propagate._solver import Choice
+
+__all__ = ["Collective", "Plan", "build_plan"]
+
+
+@dataclass(frozen=True, slots=True)
+class Collective:
+    """One collective on the sp axis. ``bytes_per_rank`` is what each rank sends (ring model)."""
+
+    kind: str
+    src: str
+    dst: str
+    shape: tuple[int, ...]
+    dtype: str
+    bytes_per_rank: float
+    producer: str
+    consumer: str
+    op: str
+    source: str
+    backward: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    sp: int
+    placements: dict[str, tuple[str, ...]]
+    collectives: tuple[Collective, ...]
+    mem_bytes: float
+
+    @property
+    def comm_bytes(self) -> float:
+        return sum(c.bytes_per_rank for c in self.collectives)
+
+    def count(self, kind: str | None = None, *, backward: bool | None = None) -> int:
+        return sum(1 for c in self.collectives
+                   if (kind is None or c.kind == kind) and (backward is None or c.backward == backward))
+
+    def __str__(self) -> str:
+        head = f"autosp plan: sp={self.sp}, {len(self.collectives)} collectives, " \
+               f"{self.comm_bytes / 2**20:.3f} MiB sent per rank per step"
+        rows = [("pass", "collective", "placement", "shape", "MiB/rank", "op", "source")]
+        for c in self.collectives:
+            rows.append(("bwd" if c.backward else "fwd", c.kind, f"{c.src}->{c.dst}", "x".join(map(str, c.shape)) + f" {c.dtype}",
+                         f"{c.bytes_per_rank / 2**20:.4f}", c.op, c.source))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+        lines = ["  ".join(r[i].ljust(widths[i]) for i in range(len(widths))) + "  " + r[-1] for r in rows]
+        return "\n".join([head] + lines)
+
+
+def _is_backward(node: fx.Node) -> bool:
+    # AOTAutograd marks nodes traced for the backward with partitioner_tag / the grad's seq_nr;
+    # the joint graph orders all forward nodes before the first tangent use.
+    return bool(node.meta.get("autosp_backward"))
+
+
+def build_plan(joint: fx.GraphModule, choice: Choice, n: int) -> Plan:
+    plan = choice.strategy
+    tangents = {nd for nd in joint.graph.nodes if nd.op == "placeholder" and nd.name.startswith("tangents")}
+    backward: set[fx.Node] = set(tangents)
+    for nd in joint.graph.nodes:
+        if any(a in backward for a in nd.all_input_nodes) and nd.op != "output":
+            backward.add(nd)
+    placements = {nd.name: tuple(str(p) for p in s.outs if p is not None) for nd, s in plan.items()}
+    colls = []
+    out_node = joint.graph.output_node()
+    consumers = [(nd, tensor_inputs(nd), plan[nd].ins) for nd in joint.graph.nodes if nd in plan]
+    leaves = [a for a in torch.utils._pytree.tree_leaves(out_node.args) if isinstance(a, fx.Node)]
+    from .propagate._placement import R
+    consumers.append((out_node, [(a, 0) for a in leaves], tuple(R for _ in leaves)))
+    for nd, ins, reqs in consumers:
+        for (u, i), q in zip(ins, reqs):
+            p = plan[u].outs[i]
+            kind = redistribute_kind(p, q)
+            if not kind:
+                continue
+            v = out_vals(u)[i]
+            where = nd if nd is not out_node else u
+            colls.append(Collective(kind, str(p), str(q), tuple(v.shape), str(v.dtype).replace("torch.", ""),
+                                    transfer_bytes(kind, nbytes(v), n), u.name,
+                                    nd.name if nd is not out_node else "output",
+                                    str(where.target), source_line(where), nd in backward or u in backward))
+    return Plan(n, placements, tuple(colls), choice.mem_bytes)

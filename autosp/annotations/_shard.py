@@ -1,0 +1,166 @@
+"""``autosp.shard``: mark a training step's inputs as sequence-sharded and compile it for the mesh."""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import Shard
+
+from ..backend._backend import Options, make_backend
+from ..errors import PlanError
+from ._mesh import Mesh, current_mesh
+from ._spec import annotate
+
+__all__ = ["shard", "explain", "GraphBreakError"]
+
+
+class GraphBreakError(PlanError):
+    """The step cannot be captured as one graph."""
+
+
+SeqSpec = bool | str | Sequence[str] | Mapping[str, int]
+
+
+def _seq_dims(seq: SeqSpec, name: str, value: Any) -> int | None:
+    if not isinstance(value, torch.Tensor):
+        return None
+    if seq is True:
+        return 1 if value.ndim >= 2 else None
+    if seq is False or seq is None:
+        return None
+    if isinstance(seq, str):
+        seq = [seq]
+    if isinstance(seq, Mapping):
+        return seq.get(name)
+    return 1 if name in seq else None
+
+
+def _annotate_inputs(fn: Callable, seq: SeqSpec, n: int, args, kwargs):
+    sig = inspect.signature(fn)
+    bound = sig.bind(*args, **kwargs)
+
+    def mark(name, value):
+        dim = _seq_dims(seq, name, value)
+        if dim is None:
+            return value
+        dim %= value.ndim
+        if value.shape[dim] % n:
+            raise PlanError(None, f"input {name!r} of {getattr(fn, '__qualname__', fn)} has shape {tuple(value.shape)}: "
+                            f"its sequence dim {dim} (length {value.shape[dim]}) is not divisible by sp={n}",
+                            f"pad the sequence to a multiple of {n} (labels -100 on the padding), or change sp")
+        return annotate(value, Shard(dim), hard=False)
+
+    for name, param in sig.parameters.items():
+        if name not in bound.arguments:
+            continue
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            bound.arguments[name] = {k: mark(k, v) for k, v in bound.arguments[name].items()}
+        elif param.kind is inspect.Parameter.VAR_POSITIONAL:
+            bound.arguments[name] = tuple(mark(f"{name}[{i}]", v) for i, v in enumerate(bound.arguments[name]))
+        else:
+            bound.arguments[name] = mark(name, bound.arguments[name])
+    return bound.args, bound.kwargs
+
+
+def _unwrap_errors(call):
+    try:
+        return call()
+    except torch._dynamo.exc.BackendCompilerFailed as e:
+        inner = getattr(e, "inner_exception", None)
+        if isinstance(inner, (PlanError, _PlanCaptured)):
+            raise inner.with_traceback(None) from None
+        raise
+    except torch._dynamo.exc.Unsupported as e:
+        msg = str(e).strip().splitlines()
+        raise GraphBreakError(None, "the step cannot be captured as one graph (graph break): " + " | ".join(msg[:6]),
+                              "rewrite that line with torch ops (no data-dependent Python control flow, "
+                              "no .item()/.tolist(), no print); see the user code location above") from None
+
+
+class _PlanCaptured(Exception):
+    def __init__(self, plan):
+        self.plan = plan
+
+
+class _Sharded:
+    """The callable ``shard`` returns: compiles once per mesh and input shapes, then runs."""
+
+    def __init__(self, fn: Callable, seq: SeqSpec, options: Options):
+        self.fn, self.seq, self.options = fn, seq, options
+        self._compiled: dict[int, Callable] = {}
+        functools.update_wrapper(self, fn)
+
+    def _step(self, m: Mesh, on_plan=None) -> Callable:
+        n = m.sp_size
+
+        def step(*args, **kwargs):
+            args, kwargs = _annotate_inputs(self.fn, self.seq, n, args, kwargs)
+            return self.fn(*args, **kwargs)
+
+        if n == 1 and on_plan is None:
+            backend = "inductor" if self.options.compiler == "inductor" else "aot_eager"
+        else:
+            backend = make_backend(m, self.options, on_plan)
+        return torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
+
+    def _mesh(self) -> Mesh:
+        m = current_mesh()
+        if m is None:
+            raise RuntimeError("autosp: call the sharded function inside `with autosp.mesh(sp=N):`")
+        if m.dp_size != 1:
+            raise NotImplementedError("autosp: dp > 1 is not supported yet; use autosp.mesh(sp=world_size)")
+        return m
+
+    def __call__(self, *args, **kwargs):
+        m = self._mesh()
+        key = id(m.device_mesh)
+        if key not in self._compiled:
+            self._compiled[key] = self._step(m)
+        return _unwrap_errors(lambda: self._compiled[key](*args, **kwargs))
+
+    def explain(self, *args, **kwargs):
+        m = self._mesh()
+
+        def capture(plan):
+            raise _PlanCaptured(plan)
+
+        step = self._step(m, on_plan=capture)
+        try:
+            _unwrap_errors(lambda: step(*args, **kwargs))
+        except _PlanCaptured as e:
+            return e.plan
+        finally:
+            torch._dynamo.reset()
+        raise RuntimeError("autosp: explain found no backward graph: do the inputs or parameters require grad?")
+
+
+def shard(fn: Callable | nn.Module | None = None, *, seq: SeqSpec = True, compiler: str = "inductor",
+          mem_weight: float = 4.0):
+    """Run ``fn`` (a training step returning a loss, or an ``nn.Module``) sequence-parallel on the
+    current ``autosp.mesh``.
+
+    seq: which inputs are sharded along their sequence dim: True (dim 1 of every tensor argument
+        with ndim >= 2), an argument name or list of names (dim 1), or a mapping name -> dim.
+    Called with full, global tensors (identical on the ranks of an sp group); returns what one
+    device would: the global loss on every rank, and after ``backward()`` every parameter's
+    ``.grad`` is the single-device gradient on every rank.
+    """
+    options = Options(compiler=compiler, mem_weight=mem_weight)
+    if fn is None:
+        return functools.partial(shard, seq=seq, compiler=compiler, mem_weight=mem_weight)
+    if isinstance(fn, nn.Module):
+        fn.forward = _Sharded(fn.forward, seq, options)
+        return fn
+    return _Sharded(fn, seq, options)
+
+
+def explain(fn, *args, **kwargs):
+    """The plan for one call of ``fn`` (made by ``autosp.shard``, or a module it wrapped): the
+    placement of every node and every inserted collective with its bytes and source line."""
+    target = fn.forward if isinstance(fn, nn.Module) else fn
+    if not isinstance(target, _Sharded):
+        target = _Sharded(target, True, Options(compiler="aot_eager"))
+    return target.explain(*args, **kwargs)

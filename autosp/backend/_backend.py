@@ -1,0 +1,109 @@
+"""The torch.compile backend: capture -> propagate -> solve -> localize -> partition -> compile."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.fx as fx
+from torch._decomp import get_decompositions
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from .._plan import Plan, build_plan
+from ..errors import PlanError
+from ..partition._localize import localize
+from ..propagate._solver import propagate, solve
+
+__all__ = ["Options", "make_backend"]
+
+log = logging.getLogger("autosp")
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Options:
+    """How ``autosp.shard`` compiles.
+
+    compiler: "inductor" (default; C++ on CPU, Triton on GPU) or "aot_eager" (no codegen: fast
+        compiles, for tests), e.g. ``compiler="aot_eager"``.
+    mem_weight: weight of a byte left on a rank against a byte sent, in the plan's objective,
+        e.g. ``mem_weight=4.0``.
+    """
+
+    compiler: str = "inductor"
+    mem_weight: float = 4.0
+
+
+def _mean(x, dim=None, keepdim=False, *, dtype=None):
+    # mean over a sharded dim is a partial sum over the *global* count: decompose so the sum
+    # carries Partial and the division stays exact.
+    dims = range(x.ndim) if dim is None or dim == [] else ([dim] if isinstance(dim, int) else dim)
+    count = math.prod(x.shape[d] for d in dims)
+    return torch.sum(x, dim if dim is not None else list(range(x.ndim)), keepdim, dtype=dtype) / count
+
+
+DECOMPOSITIONS = {
+    **get_decompositions([aten.nll_loss_forward, aten.nll_loss_backward]),
+    aten.mean.dim: _mean,
+    aten.mean.default: lambda x, *, dtype=None: _mean(x, None, False, dtype=dtype),
+}
+
+
+def _debug(name: str, gm: fx.GraphModule, t0: float) -> None:
+    if os.environ.get("AUTOSP_DEBUG") == "1":
+        log.warning("autosp pass %s: %.3f s, %d nodes\n%s", name, time.perf_counter() - t0,
+                    len(gm.graph.nodes), gm.print_readable(print_output=False))
+
+
+def _compiler(name: str) -> Callable:
+    if name == "aot_eager":
+        return lambda gm, example_inputs: make_boxed_func(gm.forward)
+    if name == "inductor":
+        from torch._inductor.compile_fx import compile_fx_inner
+        return compile_fx_inner
+    raise ValueError(f"autosp: unknown compiler {name!r}; use 'inductor' or 'aot_eager'")
+
+
+def _check_same_plan(plan: Plan, mesh) -> None:
+    """Every rank must run the same collectives: compare plan fingerprints once per compile, so a
+    divergence is an error here rather than a hang (or a gloo abort) in the first step."""
+    if mesh.sp_size == 1 or torch.distributed.get_backend(mesh.sp_group) == "fake":
+        return
+    digest = hashlib.sha256(repr([(c.kind, c.src, c.dst, c.shape) for c in plan.collectives]).encode()).hexdigest()
+    digests = [None] * mesh.sp_size
+    with unset_fake_temporarily():  # the partitioner runs under AOTAutograd's fake mode
+        torch.distributed.all_gather_object(digests, digest, group=mesh.sp_group)
+    if len(set(digests)) != 1:
+        raise PlanError(None, f"the sp ranks built different plans (fingerprints {digests}); a rank saw other "
+                        "shapes or code", "call the sharded step with identical, full inputs on every rank of the group")
+
+
+def make_backend(mesh, options: Options, on_plan: Callable[[Plan], None] | None = None):
+    """A Dynamo backend that runs the training step sequence-parallel over ``mesh``'s sp axis."""
+    n, rank, group = mesh.sp_size, mesh.sp_rank, mesh.sp_group.group_name
+
+    def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs, **kwargs):
+        t0 = time.perf_counter()
+        candidates = propagate(joint, n, mesh.sp_mesh)
+        choice = solve(joint, candidates, n, mem_weight=options.mem_weight)
+        plan = build_plan(joint, choice, n)
+        _check_same_plan(plan, mesh)
+        _debug("solve", joint, t0)
+        if on_plan is not None:
+            on_plan(plan)
+        t0 = time.perf_counter()
+        local = localize(joint, choice, joint_inputs, n, rank, group)
+        _debug("localize", local, t0)
+        return min_cut_rematerialization_partition(local, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+
+    compile_fn = _compiler(options.compiler)
+    return aot_autograd(fw_compiler=compile_fn, bw_compiler=compile_fn, partition_fn=partition,
+                        decompositions=DECOMPOSITIONS, keep_inference_input_mutations=True)

@@ -1,0 +1,40 @@
+"""autosp's errors: each names the op, the user's source line, the shapes and placements, and a fix."""
+from __future__ import annotations
+
+import torch.fx as fx
+
+__all__ = ["PlanError", "UnsupportedOpError", "source_line"]
+
+
+def source_line(node: fx.Node | None) -> str:
+    """The innermost user frame of the node's stack trace: 'file.py:12 in fn: code'."""
+    trace = (node.meta.get("stack_trace") or "") if node is not None else ""
+    lines = [l.strip() for l in trace.strip().splitlines() if l.strip()]
+    frames = [i for i, l in enumerate(lines) if l.startswith("File ")]
+    if not frames:
+        return "<no source line recorded>"
+    i = frames[-1]
+    where = lines[i].replace("File ", "").replace('"', "").replace(", line ", ":")
+    code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
+    return f"{where}: {code}" if code else where
+
+
+def _describe(node: fx.Node | None) -> str:
+    if node is None:
+        return ""
+    from .propagate._rules import out_vals
+    shapes = [tuple(v.shape) for v in out_vals(node) if v is not None]
+    return f"{node.target} (node {node.name}, output shape {shapes[0] if len(shapes) == 1 else shapes}) at {source_line(node)}"
+
+
+class PlanError(ValueError):
+    """The sharding plan cannot be built exactly for this graph."""
+
+    def __init__(self, node: fx.Node | None, problem: str, fix: str):
+        self.node, self.problem, self.fix = node, problem, fix
+        where = _describe(node)
+        super().__init__(f"autosp: {problem}" + (f"; in {where}" if where else "") + f". Fix: {fix}.")
+
+
+class UnsupportedOpError(PlanError, NotImplementedError):
+    """No sharding rule (ours or DTensor's) for an op that sees sharded data."""

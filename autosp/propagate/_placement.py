@@ -1,0 +1,89 @@
+"""Placements on the 1-D "sp" mesh axis: how a global tensor is laid out, its local shape, and
+what moving it from one placement to another costs.
+
+DTensor's vocabulary: ``Replicate()``, ``Partial()``, ``Shard(d)`` and ``_StridedShard(d, sf)``.
+A strided shard appears when a sharded dim is flattened behind other dims, e.g. (b, s@sp, h)
+viewed as (b*s, h): dim 0 is then ``_S(0, b)``, b blocks each split over the ranks.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+__all__ = [
+    "R", "P", "shard", "shard_spec", "is_shard", "local_shape", "can_shard",
+    "redistribute_kind", "transfer_bytes",
+]
+
+R = Replicate()
+P = Partial()
+
+
+def shard(dim: int, sf: int = 1) -> Placement:
+    """``Shard(dim)`` when ``sf == 1``, else ``_StridedShard(dim, sf)``: one canonical form."""
+    return Shard(dim) if sf == 1 else _StridedShard(dim, split_factor=sf)
+
+
+def shard_spec(p: Placement) -> tuple[int, int] | None:
+    """(dim, split_factor) of a sharded placement, None for Replicate and Partial."""
+    if isinstance(p, _StridedShard):
+        return p.dim, p.split_factor
+    if isinstance(p, Shard):
+        return p.dim, 1
+    return None
+
+
+def is_shard(p: Placement) -> bool:
+    return shard_spec(p) is not None
+
+
+def can_shard(size: int, sf: int, n: int) -> bool:
+    """A dim of ``size`` splits exactly into ``sf`` blocks, each over ``n`` ranks."""
+    return size > 0 and size % (sf * n) == 0
+
+
+def local_shape(shape: Sequence[int], p: Placement, n: int) -> list[int]:
+    out = list(shape)
+    spec = shard_spec(p)
+    if spec is not None:
+        out[spec[0]] //= n
+    return out
+
+
+def redistribute_kind(src: Placement, dst: Placement) -> str | None:
+    """The collective that turns ``src`` into ``dst``: "" when free, None when not allowed."""
+    if src == dst:
+        return ""
+    s, d = shard_spec(src), shard_spec(dst)
+    if isinstance(src, Replicate):
+        return "" if d is not None else None  # R -> P would need a zero fill: never needed
+    if isinstance(src, Partial):
+        if isinstance(dst, Replicate):
+            return "all_reduce"
+        return "reduce_scatter" if d is not None else None
+    assert s is not None
+    if isinstance(dst, Replicate):
+        return "all_gather"
+    if d is not None:
+        return "all_to_all"
+    return None
+
+
+def transfer_bytes(kind: str, nbytes: int, n: int) -> float:
+    """Bytes one rank sends for a collective on a tensor of ``nbytes`` global bytes (ring model)."""
+    if kind == "":
+        return 0.0
+    frac = (n - 1) / n
+    return {
+        "all_to_all": nbytes / n * frac,
+        "all_gather": nbytes * frac,
+        "reduce_scatter": nbytes * frac,
+        "all_reduce": 2 * nbytes * frac,
+    }[kind]
+
+
+def nbytes(t) -> int:
+    return math.prod(t.shape) * t.element_size()

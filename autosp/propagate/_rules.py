@@ -1,0 +1,629 @@
+"""Sharding rules: for one ATen node, the strategies (output placements, required input
+placements) it can run with on the "sp" axis.
+
+Rules are keyed by op overload, one registry, in DTensor's shape: a rule sees the placements each
+input can take (what propagation reached so far) and returns every strategy that is exact. Ops
+without a rule here fall back to DTensor's own op strategies (``fallback.py``'s job is done by
+``dtensor_strategies``). Our rules exist where DTensor has none (the CPU attention ops, the autosp
+annotation) or where its choice loses exactness or bytes for SP: views that flatten a sharded dim
+behind another (DTensor yields ``_StridedShard`` that its matmul strategies cannot consume), and
+matmuls/reductions that must understand strided shards.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor.placement_types import Placement
+from torch.utils._pytree import tree_flatten
+
+from ._placement import P, R, can_shard, shard, shard_spec
+
+__all__ = ["Strategy", "RULES", "tensor_inputs", "out_vals", "strategies_for", "VIEW_OPS"]
+
+aten = torch.ops.aten
+Sets = Sequence[frozenset]
+
+
+@dataclass(frozen=True, slots=True)
+class Strategy:
+    """One way to run a node: placement of each tensor output (None for non-tensor outputs) and
+    the placement each tensor input must be redistributed to (in ``tensor_inputs`` order)."""
+
+    outs: tuple[Placement | None, ...]
+    ins: tuple[Placement, ...]
+    note: str = ""
+    introduces: bool = False  # may shard dims no input's placement reached (attention heads)
+
+
+def out_vals(node: fx.Node) -> list:
+    """The node's outputs as a flat list of fake tensors (None where an output is not a tensor)."""
+    val = node.meta.get("val")
+    vals = list(val) if isinstance(val, (tuple, list)) else [val]
+    return [v if isinstance(v, torch.Tensor) else None for v in vals]
+
+
+def tensor_inputs(node: fx.Node) -> list[tuple[fx.Node, int]]:
+    """Each tensor-valued input occurrence as (producer, output index), in argument order."""
+    if node.target is operator.getitem:
+        return [(node.args[0], node.args[1])]
+    leaves, _ = tree_flatten((node.args, node.kwargs))
+    return [(a, 0) for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+def _val(node: fx.Node, idx: int = 0):
+    return out_vals(node)[idx]
+
+
+def _shards(places: Iterable[Placement]):
+    # sorted: set order follows str hashes, which differ between processes, and every rank
+    # must build the same integer program to reach the same plan
+    for p in sorted(places, key=str):
+        spec = shard_spec(p)
+        if spec is not None:
+            yield spec
+
+
+RULES: dict = {}
+
+
+def rule(*ops):
+    def deco(fn):
+        for op in ops:
+            RULES[op] = fn
+        return fn
+    return deco
+
+
+def _dedup(strats: Iterable[Strategy]) -> list[Strategy]:
+    seen, out = set(), []
+    for s in strats:
+        key = (s.outs, s.ins)
+        if key not in seen:
+            seen.add(key)
+            out.append(s)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# dim maps: ops whose output dims are input dims moved around (views, transposes, copies)
+
+def _dim_map_rule(node: fx.Node, A: Sets, n: int, dim_map: list[int | None], *, linear=True,
+                  blocked: Iterable[int] = ()) -> list[Strategy]:
+    """Output dim e comes from input dim ``dim_map[e]`` (None: a new or broadcast dim);
+    ``blocked`` input dims cannot stay sharded."""
+    inv = {d: e for e, d in enumerate(dim_map) if d is not None}
+    blocked = set(blocked)
+    res = [Strategy((R,), (R,))]
+    if linear and P in A[0]:
+        res.append(Strategy((P,), (P,)))
+    for d, sf in _shards(A[0]):
+        if d in inv and d not in blocked:
+            res.append(Strategy((shard(inv[d], sf),), (shard(d, sf),)))
+    return _dedup(res)
+
+
+@rule(aten.alias.default, aten.detach.default, aten.clone.default, aten._to_copy.default,
+      aten.lift_fresh_copy.default, aten.contiguous.default)
+def _identity(node, A, n):
+    return _dim_map_rule(node, A, n, list(range(_val(node).ndim)))
+
+
+@rule(aten.transpose.int, aten.t.default)
+def _transpose(node, A, n):
+    nd = _val(node).ndim
+    d0, d1 = (node.args[1], node.args[2]) if node.target is aten.transpose.int else (0, 1)
+    m = list(range(nd))
+    if nd:
+        d0, d1 = d0 % nd, d1 % nd
+        m[d0], m[d1] = m[d1], m[d0]
+    return _dim_map_rule(node, A, n, m)
+
+
+@rule(aten.permute.default)
+def _permute(node, A, n):
+    nd = _val(node).ndim
+    return _dim_map_rule(node, A, n, [d % nd for d in node.args[1]])
+
+
+@rule(aten.unsqueeze.default)
+def _unsqueeze(node, A, n):
+    nd = _val(node).ndim
+    d = node.args[1] % nd
+    return _dim_map_rule(node, A, n, [None if e == d else (e if e < d else e - 1) for e in range(nd)])
+
+
+@rule(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+def _squeeze(node, A, n):
+    src = _val(node.args[0])
+    dims = node.args[1] if len(node.args) > 1 else range(src.ndim)
+    dims = {d % max(src.ndim, 1) for d in ([dims] if isinstance(dims, int) else dims)}
+    return _dim_map_rule(node, A, n, [d for d in range(src.ndim) if not (d in dims and src.shape[d] == 1)])
+
+
+@rule(aten.expand.default)
+def _expand(node, A, n):
+    src, out = _val(node.args[0]), _val(node)
+    lead = out.ndim - src.ndim
+    m = []
+    for e in range(out.ndim):
+        d = e - lead
+        m.append(None if d < 0 or (src.shape[d] == 1 and out.shape[e] != 1) else d)
+    return _dim_map_rule(node, A, n, m)
+
+
+def _view_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+    """Split a reshape into groups of input dims and output dims with equal products."""
+    groups, i, j = [], 0, 0
+    while i < len(src) or j < len(dst):
+        gi, gj, pi, pj = [], [], 1, 1
+        if i < len(src):
+            gi.append(i); pi *= src[i]; i += 1
+        if j < len(dst):
+            gj.append(j); pj *= dst[j]; j += 1
+        while pi != pj:
+            if pi < pj:
+                gi.append(i); pi *= src[i]; i += 1
+            else:
+                gj.append(j); pj *= dst[j]; j += 1
+        while i < len(src) and src[i] == 1 and (j >= len(dst) or dst[j] != 1):
+            gi.append(i); i += 1
+        while j < len(dst) and dst[j] == 1 and (i >= len(src) or src[i] != 1):
+            gj.append(j); j += 1
+        groups.append((gi, gj))
+    return groups
+
+
+def _locate(sizes: Sequence[int], dims: Sequence[int], stride: int, n: int) -> tuple[int, int] | None:
+    """Within a group of dims, the dim where a shard with outer ``stride`` (elements of the
+    flattened group before the split) falls, and its split factor there."""
+    prefix = 1
+    for d in dims:
+        size = sizes[d]
+        if size == 1:
+            continue
+        if prefix <= stride < prefix * size and stride % prefix == 0:
+            sf = stride // prefix
+            return (d, sf) if can_shard(size, sf, n) else None
+        prefix *= size
+    return None
+
+
+@rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+def _view(node, A, n):
+    src, out = list(_val(node.args[0]).shape), list(_val(node).shape)
+    res = [Strategy((R,), (R,))]
+    if P in A[0]:
+        res.append(Strategy((P,), (P,)))
+    if math.prod(src) == 0:
+        return res
+    for gi, gj in _view_groups(src, out):
+        for d, sf in _shards(A[0]):
+            if d not in gi:
+                continue
+            stride = math.prod(src[x] for x in gi if x < d) * sf
+            o = _locate(out, gj, stride, n)
+            i = _locate(src, gi, stride, n)
+            if o is not None and i == (d, sf):
+                res.append(Strategy((shard(*o),), (shard(d, sf),)))
+    return _dedup(res)
+
+
+# ---------------------------------------------------------------------------------------------
+# elementwise ops, with broadcasting; linear ones also carry Partial
+
+_LINEAR_ALL = {aten.add.Tensor, aten.sub.Tensor}
+_LINEAR_UNARY = {aten.neg.default, aten.mul.Scalar, aten.div.Scalar, aten._to_copy.default}
+
+
+def _elementwise(node: fx.Node, A: Sets, n: int, *, blocked_out: Iterable[int] = ()) -> list[Strategy]:
+    outs = [v for v in out_vals(node) if v is not None]
+    out = outs[0]
+    k = out.ndim
+    blocked = {b % max(k, 1) for b in blocked_out}
+    ins = [_val(p, i) for p, i in tensor_inputs(node)]
+
+    def in_dim(t, e):
+        d = e - (k - t.ndim)
+        return d if d >= 0 and t.shape[d] == out.shape[e] and out.shape[e] != 1 else None
+
+    mk_out = lambda p: tuple(p if v is not None else None for v in out_vals(node))
+    res = [Strategy(mk_out(R), tuple(R for _ in ins))]
+    cands = set()
+    for j, t in enumerate(ins):
+        for d, sf in _shards(A[j]):
+            e = d + (k - t.ndim)
+            if e >= 0 and in_dim(t, e) == d and e not in blocked:
+                cands.add((e, sf))
+    for e, sf in sorted(cands):
+        req = []
+        for t in ins:
+            d = in_dim(t, e)
+            req.append(shard(d, sf) if d is not None else R)
+        res.append(Strategy(mk_out(shard(e, sf)), tuple(req)))
+    op = node.target
+    nt = len(ins)
+    if op in _LINEAR_ALL and nt == 2 and all(P in a for a in A):
+        res.append(Strategy(mk_out(P), (P, P)))
+    elif op in _LINEAR_UNARY and nt == 1 and P in A[0]:
+        res.append(Strategy(mk_out(P), (P,)))
+    elif op is aten.mul.Tensor and nt == 2:
+        for j in range(2):
+            if P in A[j]:
+                res.append(Strategy(mk_out(P), tuple(P if x == j else R for x in range(2))))
+    elif op is aten.div.Tensor and nt >= 1 and P in A[0] and node.args[0] is tensor_inputs(node)[0][0]:
+        res.append(Strategy(mk_out(P), (P,) + tuple(R for _ in ins[1:])))
+    return _dedup(res)
+
+
+def _is_pointwise(op) -> bool:
+    return isinstance(op, torch._ops.OpOverload) and torch.Tag.pointwise in op.tags
+
+
+@rule(aten._softmax.default, aten._log_softmax.default)
+def _softmax(node, A, n):
+    return _elementwise(node, A, n, blocked_out=[node.args[1]])
+
+
+@rule(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)
+def _softmax_bwd(node, A, n):
+    return _elementwise(node, A, n, blocked_out=[node.args[2]])
+
+
+@rule(aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default)
+def _like(node, A, n):
+    res = _dim_map_rule(node, A, n, list(range(_val(node).ndim)), linear=node.target is aten.zeros_like.default)
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# reductions
+
+def _reduce_dims(node: fx.Node) -> tuple[set[int], bool]:
+    x = _val(node.args[0])
+    dims = node.args[1] if len(node.args) > 1 else None
+    if dims is None or dims == [] or isinstance(dims, torch.dtype):
+        dims = list(range(x.ndim))
+    if isinstance(dims, int):
+        dims = [dims]
+    keep = bool(node.args[2]) if len(node.args) > 2 and isinstance(node.args[2], bool) else bool(node.kwargs.get("keepdim", False))
+    return {d % max(x.ndim, 1) for d in dims}, keep
+
+
+def _reduction(node, A, n, *, linear: bool):
+    x = _val(node.args[0])
+    dims, keep = _reduce_dims(node)
+    outs = out_vals(node)
+    mk = lambda p: tuple(p if v is not None else None for v in outs)
+    res = [Strategy(mk(R), (R,))]
+    if linear and P in A[0]:
+        res.append(Strategy(mk(P), (P,)))
+    for d, sf in _shards(A[0]):
+        if d in dims:
+            if linear:
+                res.append(Strategy(mk(P), (shard(d, sf),)))
+        else:
+            e = d if keep else d - sum(1 for r in dims if r < d)
+            res.append(Strategy(mk(shard(e, sf)), (shard(d, sf),)))
+    return _dedup(res)
+
+
+@rule(aten.sum.dim_IntList, aten.sum.default)
+def _sum(node, A, n):
+    return _reduction(node, A, n, linear=True)
+
+
+@rule(aten.amax.default, aten.amin.default, aten.max.dim, aten.min.dim, aten.argmax.default,
+      aten.argmin.default, aten.any.dim, aten.all.dim, aten.prod.dim_int)
+def _reduce_nonlinear(node, A, n):
+    return _reduction(node, A, n, linear=False)
+
+
+@rule(aten.native_layer_norm.default)
+def _layer_norm(node, A, n):
+    x = _val(node.args[0])
+    nd = len(node.args[1])
+    rest = tuple(R for _ in tensor_inputs(node)[1:])
+    res = [Strategy((R, R, R), (R,) + rest)]
+    for d, sf in _shards(A[0]):
+        if d < x.ndim - nd:
+            p = shard(d, sf)
+            res.append(Strategy((p, p, p), (p,) + rest))
+    return res
+
+
+@rule(aten.native_layer_norm_backward.default)
+def _layer_norm_bwd(node, A, n):
+    x = _val(node.args[1])
+    nd = len(node.args[2])
+    outs = out_vals(node)
+    ti = tensor_inputs(node)
+    res = [Strategy(tuple(R if v is not None else None for v in outs), tuple(R for _ in ti))]
+    for d, sf in _shards(A[0]):
+        if d < x.ndim - nd:
+            p = shard(d, sf)
+            ins = tuple(p if j in (0, 1, 2, 3) else R for j in range(len(ti)))  # grad, x, mean, rstd
+            o = tuple(None if v is None else (p if j == 0 else P) for j, v in enumerate(outs))
+            res.append(Strategy(o, ins))
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# contractions, as einsums over dim labels
+
+def _einsum(node, A, n, in_labels: list[str], out_labels: str, *, partial_ok=True) -> list[Strategy]:
+    res = [Strategy((R,), tuple(R for _ in in_labels))]
+    cands = set()
+    for j, labels in enumerate(in_labels):
+        for d, sf in _shards(A[j]):
+            cands.add((labels[d], sf))
+    for lab, sf in sorted(cands):
+        req = tuple(shard(l.index(lab), sf) if lab in l else R for l in in_labels)
+        if lab in out_labels:
+            res.append(Strategy((shard(out_labels.index(lab), sf),), req))
+        elif partial_ok:
+            res.append(Strategy((P,), req))
+    if partial_ok:
+        for j in range(len(in_labels)):
+            if P in A[j]:
+                res.append(Strategy((P,), tuple(P if x == j else R for x in range(len(in_labels)))))
+    return _dedup(res)
+
+
+@rule(aten.mm.default)
+def _mm(node, A, n):
+    return _einsum(node, A, n, ["mk", "kn"], "mn")
+
+
+@rule(aten.bmm.default)
+def _bmm(node, A, n):
+    strats = _einsum(node, A, n, ["bmk", "bkn"], "bmn")
+    # A batched matmul's batch dim is always parallel: when its operands are sharded along
+    # conflicting dims (attention: q along rows, k along columns), re-sharding both on the batch
+    # (heads) is an exact way out. The split factor is unknown here (batch x heads flattened), so
+    # offer each one; the solver picks by bytes.
+    batch = _val(node).shape[0]
+    for sf in range(1, batch + 1):
+        if can_shard(batch, sf, n):
+            p = shard(0, sf)
+            strats.append(Strategy((p,), (p, p), introduces=True))
+    return _dedup(strats)
+
+
+@rule(aten.addmm.default)
+def _addmm(node, A, n):
+    bias = _val(node.args[0])
+    bl = "mn"[2 - bias.ndim:] if bias.ndim else ""
+    strats = _einsum(node, A, n, [bl, "mk", "kn"], "mn", partial_ok=False)
+    out = []
+    for s in strats:  # a broadcast bias dim (size 1) stays replicated
+        if bias.ndim and shard_spec(s.ins[0]) and bias.shape[shard_spec(s.ins[0])[0]] == 1:
+            s = Strategy(s.outs, (R,) + s.ins[1:])
+        out.append(s)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# indexing
+
+@rule(aten.embedding.default)
+def _embedding(node, A, n):
+    out = _val(node)
+    res = [Strategy((R,), (R, R))]
+    for d, sf in _shards(A[1]):
+        res.append(Strategy((shard(d, sf),), (R, shard(d, sf))))
+    for d, sf in _shards(A[0]):
+        if d == 1:
+            res.append(Strategy((shard(out.ndim - 1, sf),), (shard(1, sf), R)))
+    return _dedup(res)
+
+
+@rule(aten.embedding_dense_backward.default)
+def _embedding_bwd(node, A, n):
+    grad = _val(node.args[0])
+    idx = _val(node.args[1])
+    res = [Strategy((R,), (R, R))]
+    for d, sf in _shards(A[1]):
+        res.append(Strategy((P,), (shard(d, sf), shard(d, sf))))
+    for d, sf in _shards(A[0]):
+        if d == grad.ndim - 1:
+            res.append(Strategy((shard(1, sf),), (shard(d, sf), R)))
+    return _dedup(res)
+
+
+@rule(aten.gather.default)
+def _gather(node, A, n):
+    dim = node.args[1] % _val(node).ndim
+    res = [Strategy((R,), (R, R))]
+    for j in (0, 1):
+        for d, sf in _shards(A[j]):
+            if d != dim:
+                res.append(Strategy((shard(d, sf),), (shard(d, sf), shard(d, sf))))
+    return _dedup(res)
+
+
+@rule(aten.scatter.value, aten.scatter.src, aten.scatter_add.default)
+def _scatter(node, A, n):
+    dim = node.args[1] % _val(node).ndim
+    k = len(tensor_inputs(node))
+    res = [Strategy((R,), tuple(R for _ in range(k)))]
+    for j in range(k):
+        for d, sf in _shards(A[j]):
+            if d != dim:
+                p = shard(d, sf)
+                res.append(Strategy((p,), tuple(p for _ in range(k))))
+    return _dedup(res)
+
+
+@rule(aten.select.int)
+def _select(node, A, n):
+    nd = _val(node.args[0]).ndim
+    dim = node.args[1] % nd
+    return _dim_map_rule(node, A, n, [d for d in range(nd) if d != dim], blocked=[dim])
+
+
+def _full_slice(size: int, start, end, step) -> bool:
+    return (start in (None, 0)) and (end is None or end >= size) and step in (None, 1)
+
+
+@rule(aten.slice.Tensor)
+def _slice(node, A, n):
+    x = _val(node.args[0])
+    args = list(node.args) + [0, None, None, 1][len(node.args) - 1:]
+    dim, start, end, step = args[1] % x.ndim, args[2], args[3], args[4]
+    blocked = [] if _full_slice(x.shape[dim], start, end, step) else [dim]
+    return _dim_map_rule(node, A, n, list(range(x.ndim)), blocked=blocked)
+
+
+@rule(aten.slice_backward.default)
+def _slice_bwd(node, A, n):
+    sizes, dim, start, end, step = node.args[1:6]
+    nd = len(sizes)
+    dim %= nd
+    blocked = [] if _full_slice(sizes[dim], start, end, step) else [dim]
+    return _dim_map_rule(node, A, n, list(range(nd)), blocked=blocked)
+
+
+@rule(aten.select_backward.default)
+def _select_bwd(node, A, n):
+    sizes, dim = node.args[1], node.args[2] % len(node.args[1])
+    return _dim_map_rule(node, A, n, [None if e == dim else (e if e < dim else e - 1) for e in range(len(sizes))])
+
+
+@rule(aten.constant_pad_nd.default)
+def _pad(node, A, n):
+    x = _val(node.args[0])
+    pad = node.args[1]
+    padded = [x.ndim - 1 - i // 2 for i in range(len(pad)) if pad[i] != 0]
+    value = node.args[2] if len(node.args) > 2 else 0
+    return _dim_map_rule(node, A, n, list(range(x.ndim)), blocked=padded, linear=value == 0)
+
+
+@rule(aten.cat.default)
+def _cat(node, A, n):
+    out = _val(node)
+    dim = (node.args[1] if len(node.args) > 1 else 0) % out.ndim
+    k = len(tensor_inputs(node))
+    res = [Strategy((R,), tuple(R for _ in range(k)))]
+    if all(P in a for a in A):
+        res.append(Strategy((P,), tuple(P for _ in range(k))))
+    for a in A:
+        for d, sf in _shards(a):
+            if d != dim:
+                p = shard(d, sf)
+                res.append(Strategy((p,), tuple(p for _ in range(k))))
+    return _dedup(res)
+
+
+@rule(aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
+def _split(node, A, n):
+    x = _val(node.args[0])
+    unbind = node.target is aten.unbind.int
+    dim = (node.args[1] if unbind else (node.args[2] if len(node.args) > 2 else 0)) if len(node.args) > 1 or not unbind else 0
+    dim %= x.ndim
+    k = len(out_vals(node))
+    res = [Strategy(tuple(R for _ in range(k)), (R,)), ]
+    if P in A[0]:
+        res.append(Strategy(tuple(P for _ in range(k)), (P,)))
+    for d, sf in _shards(A[0]):
+        if d != dim:
+            e = d - 1 if unbind and d > dim else d
+            res.append(Strategy(tuple(shard(e, sf) for _ in range(k)), (shard(d, sf),)))
+    return _dedup(res)
+
+
+@rule(operator.getitem)
+def _getitem(node, A, n):
+    return [Strategy((p,), (p,)) for p in sorted(A[0], key=str)]
+
+
+# ---------------------------------------------------------------------------------------------
+# attention: heads (or batch) sharded; never the sequence, since the causal mask is global
+
+def _heads_error(node, heads, n):
+    from ..errors import PlanError
+    raise PlanError(node, f"{heads} attention heads cannot be split evenly over sp={n} ranks",
+                    "use a head count divisible by the sp size (uneven heads are not supported yet)")
+
+
+@rule(aten._scaled_dot_product_flash_attention_for_cpu.default)
+def _sdpa_cpu(node, A, n):
+    q, k, v = (_val(a) for a in node.args[:3])
+    mask = node.kwargs.get("attn_mask")
+    mask = _val(mask) if isinstance(mask, fx.Node) else None
+    ti = len(tensor_inputs(node))
+    res = [Strategy((R, R), tuple(R for _ in range(ti)))]
+    for dim in (1, 0):
+        if dim == 1 or any(shard(dim) in A[j] for j in range(3)):
+            if dim == 1 and q.shape[1] % n:
+                _heads_error(node, q.shape[1], n)
+            if not (can_shard(q.shape[dim], 1, n) and k.shape[dim] == q.shape[dim]):
+                continue
+            m = () if mask is None else ((shard(dim) if mask.shape[dim] == q.shape[dim] and mask.ndim == 4 else R),)
+            res.append(Strategy((shard(dim), shard(dim)), (shard(dim),) * 3 + m, introduces=dim == 1))
+    return res
+
+
+@rule(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+def _sdpa_cpu_bwd(node, A, n):
+    q = _val(node.args[1])
+    mask = node.kwargs.get("attn_mask")
+    mask = _val(mask) if isinstance(mask, fx.Node) else None
+    ti = len(tensor_inputs(node))
+    res = [Strategy((R, R, R), tuple(R for _ in range(ti)))]
+    for dim in (1, 0):
+        if (dim == 1 or any(shard(dim) in A[j] for j in range(6))) and can_shard(q.shape[dim], 1, n):
+            m = () if mask is None else ((shard(dim) if mask.shape[dim] == q.shape[dim] and mask.ndim == 4 else R),)
+            res.append(Strategy((shard(dim),) * 3, (shard(dim),) * 6 + m, introduces=dim == 1))
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# factories: computed whole on every rank (cheap, sequence-sized at most), sliced where needed
+
+@rule(aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default,
+      aten.zeros.default, aten.ones.default, aten.empty.memory_format, aten.scalar_tensor.default,
+      aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default,
+      aten.empty_strided.default, aten.lift_fresh.default)
+def _factory(node, A, n):
+    return [Strategy((R,), tuple(R for _ in tensor_inputs(node)))]
+
+
+# ---------------------------------------------------------------------------------------------
+# the autosp annotation: a hard constraint, or (for shard()'s inputs) a permission
+
+def _annotate(node, A, n):
+    from ..annotations._spec import parse_placement
+    p = parse_placement(node.args[1])
+    if node.args[2]:
+        return [Strategy((p,), (p,), introduces=True)]
+    return [Strategy((R,), (R,)), Strategy((p,), (p,), introduces=True)]
+
+
+def strategies_for(node: fx.Node, A: Sets, n: int, mesh=None) -> list[Strategy] | None:
+    """All exact strategies for ``node`` given the placements its inputs can take; None when no
+    rule (ours or DTensor's) knows the op."""
+    op = node.target
+    if op is torch.ops.autosp.annotate.default:
+        return _annotate(node, A, n)
+    fn = RULES.get(op)
+    if fn is not None:
+        return fn(node, A, n)
+    if _is_pointwise(op):
+        return _elementwise(node, A, n)
+    from ._dtensor import dtensor_strategies
+    return dtensor_strategies(node, A, n, mesh)
+
+
+VIEW_OPS = {
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.transpose.int,
+    aten.t.default, aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim,
+    aten.squeeze.dims, aten.squeeze.default, aten.expand.default, aten.alias.default,
+    aten.detach.default, aten.slice.Tensor, aten.select.int, aten.split.Tensor,
+    aten.split_with_sizes.default, aten.unbind.int, operator.getitem,
+}

@@ -1,0 +1,208 @@
+"""Propagation and the whole-graph choice.
+
+``propagate`` walks the joint graph forward and gives every node its candidate strategies, seeded
+from the inputs (parameters may be sliced along any dim; ``autosp.shard``'s inputs only along the
+annotated dims). ``solve`` then picks one strategy per node for the whole graph at once, as an
+integer program (HiGHS through ``scipy.optimize.milp``): minimise the bytes every rank sends in
+the collectives the plan implies (each also costs ``latency_bytes``, so that of two plans moving
+the same bytes the one with fewer collectives wins), plus ``mem_weight`` times the bytes each op leaves on a rank
+(what makes sharding worth any communication at all).
+
+Bytes are counted as at long context: a tensor with k dims that are multiples of an annotated
+sequence length counts ``seq_weight ** k`` times its bytes (k <= 2). The plan is then the one the
+same model needs at 32k tokens, where activations dwarf parameters, even when it is made at a
+short test length (where all-gathering a 64-token activation would beat all-reducing a weight
+gradient). A parameter dim that happens to be a multiple of the length only moves tie-breaks.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.fx as fx
+from scipy.optimize import LinearConstraint, milp
+from scipy.sparse import coo_array
+from torch.distributed.tensor.placement_types import Placement
+
+from ..errors import PlanError, UnsupportedOpError
+from ._placement import R, can_shard, is_shard, nbytes, redistribute_kind, shard, transfer_bytes
+from ._rules import VIEW_OPS, Strategy, out_vals, strategies_for, tensor_inputs
+
+__all__ = ["Candidates", "propagate", "solve", "Choice"]
+
+
+@dataclass(slots=True)
+class Candidates:
+    """Per node: the strategies it may take, and the placements each of its outputs may take."""
+
+    strategies: dict[fx.Node, list[Strategy]] = field(default_factory=dict)
+    reach: dict[tuple[fx.Node, int], frozenset] = field(default_factory=dict)
+    no_rule: set[fx.Node] = field(default_factory=set)
+    lengths: set[int] = field(default_factory=set)  # the annotated sequence lengths
+
+
+def _activation(reach: frozenset) -> bool:
+    """On the sharded data path: some placement other than Replicate reached it."""
+    return any(p != R for p in reach)
+
+
+def _offer(reach: frozenset, val: torch.Tensor, n: int) -> frozenset:
+    """What a rule may ask an input to be: what reached it, and for an activation also a plain
+    shard of any dim (an all-to-all away; how Ulysses leaves attention for the sequence)."""
+    if not _activation(reach):
+        return reach
+    return reach | {shard(d) for d in range(val.ndim) if can_shard(val.shape[d], 1, n)}
+
+
+def _justified(s: Strategy, reach) -> bool:
+    """A strategy may shard or partial its outputs only because an activation input is sharded
+    (or because its rule introduces a sharding, like attention heads): parameters never start a
+    sharding, so plans stay sequence-parallel and never drift into tensor parallelism."""
+    if s.introduces or all(o is None or o == R for o in s.outs):
+        return True
+    return any(q != R and _activation(reach[j]) for j, q in enumerate(s.ins))
+
+
+def propagate(gm: fx.GraphModule, n: int, mesh=None) -> Candidates:
+    c = Candidates(lengths=_seq_lengths(gm))
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                c.strategies[node] = [Strategy((R,), ())]
+                c.reach[(node, 0)] = frozenset([R])
+            continue
+        if node.op != "call_function":
+            continue
+        ins = tensor_inputs(node)
+        reach = [c.reach[(u, i)] for u, i in ins]
+        A = [_offer(r, out_vals(u)[i], n) for r, (u, i) in zip(reach, ins)]
+        strats = strategies_for(node, A, n, mesh)
+        if strats is None:
+            c.no_rule.add(node)
+            strats = [Strategy(tuple(R if v is not None else None for v in out_vals(node)), tuple(R for _ in ins))]
+        strats = [s for s in strats if _justified(s, reach)]
+        c.strategies[node] = strats
+        for i, v in enumerate(out_vals(node)):
+            if v is not None:
+                c.reach[(node, i)] = frozenset(s.outs[i] for s in strats)
+    return c
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The plan: the strategy chosen for every node, and the objective's parts."""
+
+    strategy: dict[fx.Node, Strategy]
+    comm_bytes: float
+    mem_bytes: float
+
+
+def _seq_lengths(gm: fx.GraphModule) -> set[int]:
+    lengths = set()
+    for nd in gm.graph.nodes:
+        if nd.target is torch.ops.autosp.annotate.default:
+            from ..annotations._spec import parse_placement
+            from ._placement import shard_spec
+            spec = shard_spec(parse_placement(nd.args[1]))
+            if spec is not None:
+                lengths.add(out_vals(nd)[0].shape[spec[0]])
+    return lengths
+
+
+def _seq_scale(val: torch.Tensor, lengths: set[int], seq_weight: float) -> float:
+    k = sum(1 for size in val.shape if any(size >= L and size % L == 0 for L in lengths))
+    return seq_weight ** min(k, 2)
+
+
+def _out_bytes(c: Candidates, node: fx.Node, s: Strategy, n: int, seq_weight: float) -> float:
+    if node.target in VIEW_OPS or node.op != "call_function" or node.target is torch.ops.autosp.annotate.default:
+        return 0.0
+    total = 0.0
+    for i, (v, p) in enumerate(zip(out_vals(node), s.outs)):
+        if v is not None and p is not None:
+            total += nbytes(v) / (n if is_shard(p) else 1) * _seq_scale(v, c.lengths, seq_weight)
+    return total
+
+
+def solve(gm: fx.GraphModule, c: Candidates, n: int, *, mem_weight: float = 4.0,
+          seq_weight: float = 64.0, latency_bytes: float = 1e4) -> Choice:
+    nodes = [nd for nd in gm.graph.nodes if nd in c.strategies]
+    xi: dict[tuple[fx.Node, int], int] = {}
+    cost: list[float] = []
+    for nd in nodes:
+        for k, s in enumerate(c.strategies[nd]):
+            xi[(nd, k)] = len(cost)
+            cost.append(mem_weight * _out_bytes(c, nd, s, n, seq_weight))
+    nx = len(cost)
+    rows, cols, vals, rhs = [], [], [], []
+    nrow = 0
+
+    def add_row(entries, b):
+        nonlocal nrow
+        for col, v in entries:
+            rows.append(nrow); cols.append(col); vals.append(v)
+        rhs.append(b)
+        nrow += 1
+
+    for nd in nodes:
+        if not c.strategies[nd]:
+            raise PlanError(nd, "no exact placement for this op with the placements its inputs can take",
+                            "annotate its inputs with autosp.annotate to pin a layout")
+        add_row([(xi[(nd, k)], 1.0) for k in range(len(c.strategies[nd]))], 1.0)
+
+    consumers = [(nd, c.strategies[nd], tensor_inputs(nd)) for nd in nodes]
+    out_node = gm.graph.output_node()
+    out_leaves = [a for a in torch.utils._pytree.tree_leaves(out_node.args) if isinstance(a, fx.Node)]
+    consumers.append((out_node, [Strategy((), tuple(R for _ in out_leaves))], [(a, 0) for a in out_leaves]))
+
+    edge_info = []
+    for v, vstrats, ins in consumers:
+        for j, (u, i) in enumerate(ins):
+            ustrats = c.strategies[u]
+            P_u = sorted({s.outs[i] for s in ustrats}, key=str)
+            Q_v = sorted({s.ins[j] for s in vstrats}, key=str)
+            size = nbytes(out_vals(u)[i]) * _seq_scale(out_vals(u)[i], c.lengths, seq_weight)
+            ys = {}
+            for p in P_u:
+                for q in Q_v:
+                    kind = redistribute_kind(p, q)
+                    if kind is None:
+                        continue
+                    ys[(p, q)] = len(cost)
+                    cost.append(transfer_bytes(kind, size, n) + (latency_bytes if kind else 0.0))
+                    edge_info.append((v, j, u, p, q, kind))
+            for p in P_u:
+                add_row([(ys[(p, q)], 1.0) for q in Q_v if (p, q) in ys]
+                        + [(xi[(u, k)], -1.0) for k, s in enumerate(ustrats) if s.outs[i] == p], 0.0)
+            for q in Q_v:
+                fixed = v is out_node
+                add_row([(ys[(p, q)], 1.0) for p in P_u if (p, q) in ys]
+                        + ([] if fixed else [(xi[(v, k)], -1.0) for k, s in enumerate(vstrats) if s.ins[j] == q]),
+                        1.0 if fixed else 0.0)
+
+    A = coo_array((vals, (rows, cols)), shape=(nrow, len(cost))).tocsr()
+    integrality = np.zeros(len(cost)); integrality[:nx] = 1
+    res = milp(np.array(cost), integrality=integrality, bounds=(0, 1),
+               constraints=LinearConstraint(A, np.array(rhs), np.array(rhs)))
+    if res.x is None:
+        raise PlanError(None, f"no consistent sharding plan exists for this graph ({res.message})",
+                        "check the autosp.annotate constraints for conflicts")
+    x = res.x
+    chosen = {}
+    for nd in nodes:
+        k = max(range(len(c.strategies[nd])), key=lambda k: x[xi[(nd, k)]])
+        chosen[nd] = c.strategies[nd][k]
+    comm = sum(cost[i] * x[i] for i in range(nx, len(cost)))  # as the solver saw it: scaled
+    mem = sum(_out_bytes(c, nd, chosen[nd], n, 1.0) for nd in nodes)
+    for nd in c.no_rule:
+        for (u, i), q in zip(tensor_inputs(nd), chosen[nd].ins):
+            src = chosen[u].outs[i]
+            if redistribute_kind(src, q):
+                raise UnsupportedOpError(nd, f"no sharding rule for {nd.target}, and its input {u.name} is {src} here",
+                                         "express the computation with supported ops, or pin its inputs replicated "
+                                         "with autosp.annotate(x, 'R') before it (costs an all-gather)")
+    return Choice(chosen, comm, mem)

@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = ["Mesh", "mesh", "current_mesh"]
 
+_MESHES: dict[tuple, tuple[object, DeviceMesh]] = {}
 _CURRENT: contextvars.ContextVar["Mesh | None"] = contextvars.ContextVar("autosp_mesh", default=None)
 
 
@@ -83,7 +84,12 @@ def mesh(sp: int | None = None, dp: int = 1, *, backend: str | None = None, time
         raise ValueError(f"autosp: mesh sp={sp} x dp={dp} = {sp * dp} ranks, but the world has {world}; "
                          f"launch with torchrun --nproc-per-node {sp * dp} or set sp*dp == {world}")
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    m = Mesh(init_device_mesh(device, (dp, sp), mesh_dim_names=("dp", "sp")))
+    key = (device, dp, sp)
+    world_group, cached = _MESHES.get(key, (None, None))
+    if world_group is not dist.group.WORLD:  # one DeviceMesh (and its groups) per shape and world
+        cached = init_device_mesh(device, (dp, sp), mesh_dim_names=("dp", "sp"))
+        _MESHES[key] = (dist.group.WORLD, cached)
+    m = Mesh(cached)
     token = _CURRENT.set(m)
     try:
         yield m

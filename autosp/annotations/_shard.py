@@ -78,6 +78,12 @@ def _unwrap_errors(call):
         raise GraphBreakError(None, "the step cannot be captured as one graph (graph break): " + " | ".join(msg[:6]),
                               "rewrite that line with torch ops (no data-dependent Python control flow, "
                               "no .item()/.tolist(), no print); see the user code location above") from None
+    except RuntimeError as e:
+        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+            raise PlanError(None, f"a collective of the sharded step timed out ({str(e).splitlines()[0]})",
+                            "every rank of the sp group must run the same steps with the same shapes; "
+                            "check for a rank that skipped or changed a step") from e
+        raise
 
 
 class _PlanCaptured(Exception):
@@ -91,7 +97,11 @@ class _Sharded:
     def __init__(self, fn: Callable, seq: SeqSpec, options: Options):
         self.fn, self.seq, self.options = fn, seq, options
         self._compiled: dict[int, Callable] = {}
+        self.plan = None  # the Plan of the latest compile, as autosp.explain shows it
         functools.update_wrapper(self, fn)
+
+    def _record(self, plan) -> None:
+        self.plan = plan
 
     def _step(self, m: Mesh, on_plan=None) -> Callable:
         n = m.sp_size
@@ -100,10 +110,14 @@ class _Sharded:
             args, kwargs = _annotate_inputs(self.fn, self.seq, n, args, kwargs)
             return self.fn(*args, **kwargs)
 
+        # Dynamo caches compiled code per code object, and every _Sharded shares this `step`:
+        # a copy per instance keeps their caches apart (else the 9th sharded function would hit
+        # the recompile limit and silently run eager, unsharded).
+        step.__code__ = step.__code__.replace()
         if n == 1 and on_plan is None:
             backend = "inductor" if self.options.compiler == "inductor" else "aot_eager"
         else:
-            backend = make_backend(m, self.options, on_plan)
+            backend = make_backend(m, self.options, on_plan or self._record)
         return torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
 
     def _mesh(self) -> Mesh:
@@ -119,7 +133,11 @@ class _Sharded:
         key = id(m.device_mesh)
         if key not in self._compiled:
             self._compiled[key] = self._step(m)
-        return _unwrap_errors(lambda: self._compiled[key](*args, **kwargs))
+        out = _unwrap_errors(lambda: self._compiled[key](*args, **kwargs))
+        if m.sp_size > 1 and self.plan is None and torch.is_grad_enabled():
+            raise RuntimeError("autosp: the step ran without the autosp backend (Dynamo fell back to eager); "
+                               "the results were computed unsharded")
+        return out
 
     def explain(self, *args, **kwargs):
         m = self._mesh()

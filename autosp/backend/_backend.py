@@ -80,7 +80,11 @@ def _check_same_plan(plan: Plan, mesh) -> None:
     digest = hashlib.sha256(repr([(c.kind, c.src, c.dst, c.shape) for c in plan.collectives]).encode()).hexdigest()
     digests = [None] * mesh.sp_size
     with unset_fake_temporarily():  # the partitioner runs under AOTAutograd's fake mode
-        torch.distributed.all_gather_object(digests, digest, group=mesh.sp_group)
+        try:
+            torch.distributed.all_gather_object(digests, digest, group=mesh.sp_group)
+        except RuntimeError as e:
+            raise PlanError(None, f"not every rank of the sp group compiled this step ({e})",
+                            "call the sharded step on every rank of the group, with the same arguments") from e
     if len(set(digests)) != 1:
         raise PlanError(None, f"the sp ranks built different plans (fingerprints {digests}); a rank saw other "
                         "shapes or code", "call the sharded step with identical, full inputs on every rank of the group")

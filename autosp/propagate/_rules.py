@@ -583,6 +583,29 @@ def _sdpa_cpu_bwd(node, A, n):
     return res
 
 
+def _sdpa_seq(node, A, n):
+    """Attention's sequence correspondence: the query's sequence dim is the output's (and the
+    log-sum-exp's); the gradients' are the inputs'. Not a strategy: the causal mask is global."""
+    fwd = node.target is aten._scaled_dot_product_flash_attention_for_cpu.default
+    ti = len(tensor_inputs(node))
+    res = []
+    for d, sf in _shards(A[0 if fwd else 1]):
+        if d == 2:
+            p = shard(2, sf)
+            outs = (p, p) if fwd else (p, p, p)
+            res.append(Strategy(outs, tuple(p if j < (3 if fwd else 6) else R for j in range(ti))))
+    return res
+
+
+_SEQ_PROVENANCE = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default: _sdpa_seq,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _sdpa_seq,
+    # a softmax over the key positions still carries them (hand-written attention)
+    **{op: _elementwise for op in (aten._softmax.default, aten._log_softmax.default,
+                                   aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)},
+}
+
+
 # ---------------------------------------------------------------------------------------------
 # factories: computed whole on every rank (cheap, sequence-sized at most), sliced where needed
 
@@ -605,10 +628,13 @@ def _annotate(node, A, n):
     return [Strategy((R,), (R,)), Strategy((p,), (p,), introduces=True)]
 
 
-def strategies_for(node: fx.Node, A: Sets, n: int, mesh=None) -> list[Strategy] | None:
+def strategies_for(node: fx.Node, A: Sets, n: int, mesh=None, provenance: bool = False) -> list[Strategy] | None:
     """All exact strategies for ``node`` given the placements its inputs can take; None when no
-    rule (ours or DTensor's) knows the op."""
+    rule (ours or DTensor's) knows the op. With ``provenance``, also correspondences that are not
+    executable (attention: query sequence in, query sequence out), for tracking the sequence."""
     op = node.target
+    if provenance and op in _SEQ_PROVENANCE:
+        return _SEQ_PROVENANCE[op](node, A, n)
     if op is torch.ops.autosp.annotate.default:
         return _annotate(node, A, n)
     fn = RULES.get(op)

@@ -28,7 +28,7 @@ from scipy.sparse import coo_array
 from torch.distributed.tensor.placement_types import Placement
 
 from ..errors import PlanError, UnsupportedOpError
-from ._placement import R, can_shard, is_shard, nbytes, redistribute_kind, shard, transfer_bytes
+from ._placement import P, R, can_shard, is_shard, nbytes, redistribute_kind, shard, shard_spec, transfer_bytes
 from ._rules import VIEW_OPS, Strategy, out_vals, strategies_for, tensor_inputs
 
 __all__ = ["Candidates", "propagate", "solve", "Choice"]
@@ -36,10 +36,12 @@ __all__ = ["Candidates", "propagate", "solve", "Choice"]
 
 @dataclass(slots=True)
 class Candidates:
-    """Per node: the strategies it may take, and the placements each of its outputs may take."""
+    """Per node: the strategies it may take, the placements each of its outputs may take
+    (``reach``), and the placements along which it carries the annotated sequence (``seq``)."""
 
     strategies: dict[fx.Node, list[Strategy]] = field(default_factory=dict)
     reach: dict[tuple[fx.Node, int], frozenset] = field(default_factory=dict)
+    seq: dict[tuple[fx.Node, int], frozenset] = field(default_factory=dict)
     no_rule: set[fx.Node] = field(default_factory=set)
     lengths: set[int] = field(default_factory=set)  # the annotated sequence lengths
 
@@ -49,12 +51,19 @@ def _activation(reach: frozenset) -> bool:
     return any(p != R for p in reach)
 
 
-def _offer(reach: frozenset, val: torch.Tensor, n: int) -> frozenset:
-    """What a rule may ask an input to be: what reached it, and for an activation also a plain
-    shard of any dim (an all-to-all away; how Ulysses leaves attention for the sequence)."""
-    if not _activation(reach):
-        return reach
-    return reach | {shard(d) for d in range(val.ndim) if can_shard(val.shape[d], 1, n)}
+def _seq_carrying(node: fx.Node, seq_in: list[frozenset], n: int, mesh) -> list[frozenset]:
+    """Provenance: along which (dim, split factor) each output carries the annotated sequence.
+    Follows the rules with only sequence shardings as input, plus the attention rules' own
+    sequence correspondence (query positions in, query positions out), which no executable
+    strategy has."""
+    if not any(seq_in):
+        return [frozenset() for _ in out_vals(node)]
+    strats = strategies_for(node, [sq | {R} for sq in seq_in], n, mesh, provenance=True) or []
+    out = []
+    for i, v in enumerate(out_vals(node)):
+        out.append(frozenset(s.outs[i] for s in strats if v is not None and is_shard(s.outs[i])
+                             and any(is_shard(q) and q in seq_in[j] for j, q in enumerate(s.ins))))
+    return out
 
 
 def _justified(s: Strategy, reach) -> bool:
@@ -67,6 +76,14 @@ def _justified(s: Strategy, reach) -> bool:
 
 
 def propagate(gm: fx.GraphModule, n: int, mesh=None) -> Candidates:
+    """Forward from the annotations, back from what ops ask of their inputs, forward again
+    (Shardy's bidirectional propagation, two sweeps): attention asks for heads, and that request
+    travels back through the reshapes of grouped-query K/V to where it is cheapest to meet."""
+    first = _forward(gm, n, mesh, {})
+    return _forward(gm, n, mesh, _wants(gm, first, n, mesh))
+
+
+def _forward(gm: fx.GraphModule, n: int, mesh, wanted: dict) -> Candidates:
     c = Candidates(lengths=_seq_lengths(gm))
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -74,12 +91,21 @@ def propagate(gm: fx.GraphModule, n: int, mesh=None) -> Candidates:
             if isinstance(val, torch.Tensor):
                 c.strategies[node] = [Strategy((R,), ())]
                 c.reach[(node, 0)] = frozenset([R])
+                c.seq[(node, 0)] = frozenset()
             continue
         if node.op != "call_function":
             continue
         ins = tensor_inputs(node)
         reach = [c.reach[(u, i)] for u, i in ins]
-        A = [_offer(r, out_vals(u)[i], n) for r, (u, i) in zip(reach, ins)]
+        seq_in = [c.seq[(u, i)] for u, i in ins]
+        for i, sq in enumerate(_seq_carrying(node, seq_in, n, mesh)):
+            c.seq[(node, i)] = sq
+        if node.target is torch.ops.autosp.annotate.default:
+            c.seq[(node, 0)] = frozenset(s.outs[0] for s in strategies_for(node, reach, n, mesh) if is_shard(s.outs[0]))
+        # an input may be asked for what reached it, any layout that carries the sequence (an
+        # all-to-all away: how Ulysses goes back from heads to sequence after attention), or what
+        # a later op wants of it
+        A = [r | sq | wanted.get(key, frozenset()) for r, sq, key in zip(reach, seq_in, ins)]
         strats = strategies_for(node, A, n, mesh)
         if strats is None:
             c.no_rule.add(node)
@@ -90,6 +116,33 @@ def propagate(gm: fx.GraphModule, n: int, mesh=None) -> Candidates:
             if v is not None:
                 c.reach[(node, i)] = frozenset(s.outs[i] for s in strats)
     return c
+
+
+def _wants(gm: fx.GraphModule, c: Candidates, n: int, mesh) -> dict:
+    """Placements later ops ask of each value that propagation did not reach, carried back
+    through the ops that could produce them from another layout of their inputs."""
+    wanted: dict[tuple[fx.Node, int], set] = defaultdict(set)
+    for node, strats in c.strategies.items():
+        for s in strats:
+            if s.introduces:
+                for key, q in zip(tensor_inputs(node), s.ins):
+                    if q not in c.reach[key]:
+                        wanted[key].add(q)
+    for node in reversed(list(gm.graph.nodes)):
+        if node.op != "call_function":
+            continue
+        ins = tensor_inputs(node)
+        for i, v in enumerate(out_vals(node)):
+            for p in sorted(wanted.get((node, i), ()), key=str):
+                sfs = {1} | ({shard_spec(p)[1]} if is_shard(p) else set())
+                A = [frozenset([R, P] + [shard(d, sf) for d in range(out_vals(u)[j].ndim) for sf in sorted(sfs)
+                                         if can_shard(out_vals(u)[j].shape[d], sf, n)]) for u, j in ins]
+                for s in strategies_for(node, A, n, mesh) or []:
+                    if s.outs[i] == p:
+                        for key, q in zip(ins, s.ins):
+                            if q != R and q not in c.reach[key]:
+                                wanted[key].add(q)
+    return {k: frozenset(v) for k, v in wanted.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,8 +175,9 @@ def _out_bytes(c: Candidates, node: fx.Node, s: Strategy, n: int, seq_weight: fl
     if node.target in VIEW_OPS or node.op != "call_function" or node.target is torch.ops.autosp.annotate.default:
         return 0.0
     total = 0.0
-    for i, (v, p) in enumerate(zip(out_vals(node), s.outs)):
-        if v is not None and p is not None:
+    for v, p in zip(out_vals(node), s.outs):
+        if v is not None and p is not None and _seq_scale(v, c.lengths, 2.0) > 1:  # activations only:
+            # parameter-shaped tensors (gradients) end replicated whatever the plan does
             total += nbytes(v) / (n if is_shard(p) else 1) * _seq_scale(v, c.lengths, seq_weight)
     return total
 

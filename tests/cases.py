@@ -1,0 +1,145 @@
+"""What the gloo workers run (module-level, so spawn can import them). Each returns plain data;
+the tests in test_*.py state the invariants."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+import autosp
+from examples.models import GPT, GPTConfig, Llama, LlamaConfig
+
+MODELS = {
+    "llama": lambda: Llama(LlamaConfig()),
+    "llama_manual": lambda: Llama(LlamaConfig(attn="manual")),
+    "llama_mha": lambda: Llama(LlamaConfig(heads=4, kv_heads=4)),
+    "gpt": lambda: GPT(GPTConfig()),
+}
+
+
+def batch(kind: str, b: int, L: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (b, L), generator=g)
+    if kind == "gpt":  # GPT takes labels already shifted; -1 is ignored
+        labels = torch.cat([ids[:, 1:], torch.full((b, 1), -1)], dim=1)
+    else:
+        labels = torch.randint(0, 256, (b, L), generator=g)
+        labels[:, : L // 8] = -100
+    return ids, labels
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def exactness(kind: str, b: int, L: int, steps: int = 3, compiler: str = "aot_eager",
+              dtype: torch.dtype = torch.float32) -> dict:
+    """Loss and grads of the first step, and parameters after ``steps`` AdamW steps, against the
+    same model trained on one device (in this process, on the full batch)."""
+    torch.manual_seed(0)
+    model = MODELS[kind]().to(dtype)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    out = {}
+    with autosp.mesh():
+        step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler=compiler)
+        for i in range(steps):
+            ids, labels = batch(kind, b, L, seed=i)
+            loss = step(ids, labels)
+            loss.backward()
+            loss_ref = ref(ids, labels)
+            loss_ref.backward()
+            if i == 0:
+                out["loss"] = (loss.item(), loss_ref.item())
+                out["grad_err"] = {n: _rel(p.grad, q.grad) for (n, p), q in zip(model.named_parameters(), ref.parameters())}
+            opt.step(); opt.zero_grad(); opt_ref.step(); opt_ref.zero_grad()
+    out["param_err"] = max(_rel(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    out["planned"] = step.plan is not None
+    return out
+
+
+def _gloo_events(prof) -> list[tuple[str, int]]:
+    out = []
+    for e in prof.events():
+        if e.name.startswith("gloo:"):
+            numel = 0
+            for shape in e.input_shapes[:1]:
+                n = 1
+                for s in shape:
+                    n *= s
+                numel += n
+            out.append((e.name, numel))
+    return out
+
+
+def comm(kind: str, b: int, L: int) -> dict:
+    """The collectives gloo ran in one training step (after a warm-up step), for autosp and for
+    hand-written Ulysses on the same model and batch: [(event name, elements)]."""
+    from examples.ulysses import allreduce_grads, ulysses_loss
+    torch.manual_seed(0)
+    model = MODELS[kind]()
+    ids, labels = batch(kind, b, L, seed=0)
+    res = {}
+    with autosp.mesh():
+        step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager")
+        step(ids, labels).backward()
+        with torch.profiler.profile(record_shapes=True) as prof:
+            step(ids, labels).backward()
+        res["autosp"] = _gloo_events(prof)
+        res["plan"] = [(c.kind, c.backward, c.shape) for c in step.plan.collectives]
+    model.zero_grad()
+    local, _ = ulysses_loss(model, ids, labels)
+    local.backward()
+    allreduce_grads(model)
+    with torch.profiler.profile(record_shapes=True) as prof:
+        local, _ = ulysses_loss(model, ids, labels)
+        local.backward()
+        allreduce_grads(model)
+    res["ulysses"] = _gloo_events(prof)
+    return res
+
+
+def work(kind: str, b: int, L: int) -> dict:
+    """Matmul FLOPs (torch.profiler with_flops) and bytes saved for backward (non-parameter
+    tensors), per rank for the autosp step and for the single-device step on the full batch."""
+    torch.manual_seed(0)
+    model = MODELS[kind]()
+    ids, labels = batch(kind, b, L, seed=0)
+    params = {p.data_ptr() for p in model.parameters()}
+
+    def measure(fn):
+        fn().backward()
+        saved = {}
+
+        def pack(t):
+            if t.data_ptr() not in params:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.profiler.profile(with_flops=True) as prof, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn().backward()
+        flops = sum(e.flops for e in prof.events() if e.flops)
+        return flops, sum(saved.values())
+
+    with autosp.mesh():
+        step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager")
+        sharded = measure(lambda: step(ids, labels))
+    single_fn = torch.compile(lambda input_ids, labels: model(input_ids, labels), backend="aot_eager", fullgraph=True)
+    single = measure(lambda: single_fn(ids, labels))
+    return {"flops": (sharded[0], single[0]), "saved": (sharded[1], single[1])}
+
+
+def error_message(kind: str, b: int, L_by_rank: list[int]) -> str:
+    """Run a step whose sequence length differs per rank; return the error each rank raises."""
+    torch.manual_seed(0)
+    model = MODELS[kind]()
+    ids, labels = batch(kind, b, L_by_rank[dist.get_rank()], seed=0)
+    with autosp.mesh():
+        step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager")
+        try:
+            step(ids, labels).backward()
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            return f"{type(e).__name__}: {e}"
+    return "no error"

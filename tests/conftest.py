@@ -1,0 +1,42 @@
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _pool import Pool
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def pools():
+    """Gloo worker pools by world size, each started once per session, on first use."""
+    started: dict[int, Pool] = {}
+
+    def get(world: int) -> Pool:
+        if world not in started:
+            started[world] = Pool(world)
+        return started[world]
+
+    yield get
+    for p in started.values():
+        p.close()
+
+
+@pytest.fixture
+def fake_world():
+    """A fake process group of any world size in this process: plans without processes."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def init(world: int):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+
+    yield init
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    torch._dynamo.reset()

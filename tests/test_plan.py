@@ -1,0 +1,84 @@
+"""Plans on a fake process group: the exact collectives autosp inserts, for any world size."""
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+import autosp
+from examples.models import Llama, LlamaConfig
+
+# (sp, heads, kv_heads, dim): kv heads divide sp, so K/V move at their own head count
+CONFIGS = [(2, 4, 2, 64), (4, 8, 4, 64), (8, 16, 8, 128)]
+L, LAYERS = 96, 2
+
+
+def _plan(world, heads, kv, dim, attn, b=1):
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(heads=heads, kv_heads=kv, dim=dim, layers=LAYERS, attn=attn))
+    ids = torch.randint(0, 256, (b, L))
+    with autosp.mesh(sp=world):
+        step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager")
+        return model, autosp.explain(step, ids, ids)
+
+
+def _ulysses_expected(model, world, heads, kv, dim, b=1):
+    """Hand-written Ulysses' collectives: per layer q, k, v, o all-to-all forward and their
+    gradients backward; one all-reduce for the loss and one per parameter gradient."""
+    hd = dim // heads
+    q, k = b * L * heads * hd, b * L * kv * hd
+    per_layer = [q, k, k, q]
+    expected = Counter()
+    for _ in range(LAYERS):
+        for numel in per_layer:
+            expected[("all_to_all", False, numel)] += 1
+            expected[("all_to_all", True, numel)] += 1
+    expected[("all_reduce", False, 1)] += 1
+    for p in model.parameters():
+        expected[("all_reduce", True, p.numel())] += 1
+    return expected
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "manual"])
+@pytest.mark.parametrize("world,heads,kv,dim", CONFIGS)
+def test_plan_is_exactly_ulysses_collectives(fake_world, world, heads, kv, dim, attn):
+    """Catches any extra collective (an all-gather of an activation, a reduce-scatter instead of
+    an all-to-all, a recomputed exchange) and K/V moved at the query head count. Hand-written
+    attention (matmul, additive causal mask, softmax, matmul) gets the same plan as SDPA."""
+    fake_world(world)
+    model, plan = _plan(world, heads, kv, dim, attn)
+    got = Counter((c.kind, c.backward, math.prod(c.shape)) for c in plan.collectives)
+    assert got == _ulysses_expected(model, world, heads, kv, dim), str(plan)
+
+
+def test_plan_bytes_are_ulysses_bytes(fake_world):
+    """Bytes per rank per step equal the Ulysses formula: each all-to-all sends (N-1)/N^2 of the
+    tensor; the all-reduces send 2(N-1)/N of theirs."""
+    world, heads, kv, dim = CONFIGS[1]
+    fake_world(world)
+    model, plan = _plan(world, heads, kv, dim, "sdpa")
+    n, f = world, 4
+    expected = sum((2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n**2) * numel * f * count
+                   for (kind, _, numel), count in _ulysses_expected(model, world, heads, kv, dim).items())
+    assert plan.comm_bytes == pytest.approx(expected)
+
+
+def test_explain_names_each_collective_source_line(fake_world):
+    """The plan says where every collective comes from, in the user's code."""
+    fake_world(2)
+    _, plan = _plan(*CONFIGS[0], "sdpa")
+    a2a = [c for c in plan.collectives if c.kind == "all_to_all" and not c.backward]
+    assert all("models.py" in c.source for c in a2a)
+    assert any("scaled_dot_product_attention" in c.source or "o_proj" in c.source or "proj" in c.source for c in a2a)
+    text = str(plan)
+    assert "all_to_all" in text and "S(1)" in text and "MiB" in text
+
+
+def test_batch_is_never_sharded(fake_world):
+    """Sharding follows the annotated sequence dim: with batch 2 on sp=2 the plan is still
+    Ulysses' (not data parallel over the batch, which the user did not ask for)."""
+    fake_world(2)
+    world, heads, kv, dim = CONFIGS[0]
+    model, plan = _plan(world, heads, kv, dim, "sdpa", b=2)
+    got = Counter((c.kind, c.backward, math.prod(c.shape)) for c in plan.collectives)
+    assert got == _ulysses_expected(model, world, heads, kv, dim, b=2), str(plan)

@@ -38,31 +38,37 @@ def _seq_dims(seq: SeqSpec, name: str, value: Any) -> int | None:
     return 1 if name in seq else None
 
 
-def _annotate_inputs(fn: Callable, seq: SeqSpec, n: int, args, kwargs):
+def _map_inputs(fn: Callable, seq: SeqSpec, args, kwargs, mark):
+    """Apply ``mark(name, value, seq_dim)`` to every tensor argument that ``seq`` shards."""
     sig = inspect.signature(fn)
     bound = sig.bind(*args, **kwargs)
 
-    def mark(name, value):
+    def one(name, value):
         dim = _seq_dims(seq, name, value)
-        if dim is None:
-            return value
-        dim %= value.ndim
-        if value.shape[dim] % n:
-            raise PlanError(None, f"input {name!r} of {getattr(fn, '__qualname__', fn)} has shape {tuple(value.shape)}: "
-                            f"its sequence dim {dim} (length {value.shape[dim]}) is not divisible by sp={n}",
-                            f"pad the sequence to a multiple of {n} (labels -100 on the padding), or change sp")
-        return annotate(value, Shard(dim), hard=False)
+        return value if dim is None else mark(name, value, dim % value.ndim)
 
     for name, param in sig.parameters.items():
         if name not in bound.arguments:
             continue
         if param.kind is inspect.Parameter.VAR_KEYWORD:
-            bound.arguments[name] = {k: mark(k, v) for k, v in bound.arguments[name].items()}
+            bound.arguments[name] = {k: one(k, v) for k, v in bound.arguments[name].items()}
         elif param.kind is inspect.Parameter.VAR_POSITIONAL:
-            bound.arguments[name] = tuple(mark(f"{name}[{i}]", v) for i, v in enumerate(bound.arguments[name]))
+            bound.arguments[name] = tuple(one(f"{name}[{i}]", v) for i, v in enumerate(bound.arguments[name]))
         else:
-            bound.arguments[name] = mark(name, bound.arguments[name])
+            bound.arguments[name] = one(name, bound.arguments[name])
     return bound.args, bound.kwargs
+
+
+def _check_inputs(fn: Callable, seq: SeqSpec, n: int, args, kwargs) -> None:
+    def check(name, value, dim):
+        if value.shape[dim] % n:
+            raise PlanError(None, f"input {name!r} of {getattr(fn, '__qualname__', fn)} has shape {tuple(value.shape)}: "
+                            f"its sequence dim {dim} (length {value.shape[dim]}) is not divisible by sp={n}",
+                            f"pad the sequence to a multiple of {n} (labels -100 on the padding), or change sp")
+        return value
+
+    _map_inputs(fn, seq, args, kwargs, check)
+
 
 
 def _unwrap_errors(call):
@@ -73,11 +79,17 @@ def _unwrap_errors(call):
         if isinstance(inner, (PlanError, _PlanCaptured)):
             raise inner.with_traceback(None) from None
         raise
-    except torch._dynamo.exc.Unsupported as e:
-        msg = str(e).strip().splitlines()
-        raise GraphBreakError(None, "the step cannot be captured as one graph (graph break): " + " | ".join(msg[:6]),
+    except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
+        lines = [l.strip() for l in str(e).strip().splitlines() if l.strip()]
+        frames = [i for i, l in enumerate(lines) if l.startswith("File ") and "/autosp/" not in l]
+        where = ""
+        if frames:
+            i = frames[-1]
+            where = " at " + lines[i].replace("File ", "").replace('"', "").replace(", line ", ":")
+            where += (": " + lines[i + 1]) if i + 1 < len(lines) else ""
+        raise GraphBreakError(None, f"the step cannot be captured as one graph (graph break){where}: {lines[0]}",
                               "rewrite that line with torch ops (no data-dependent Python control flow, "
-                              "no .item()/.tolist(), no print); see the user code location above") from None
+                              "no .item()/.tolist(), no print)") from None
     except RuntimeError as e:
         if "timed out" in str(e).lower() or "timeout" in str(e).lower():
             raise PlanError(None, f"a collective of the sharded step timed out ({str(e).splitlines()[0]})",
@@ -107,7 +119,8 @@ class _Sharded:
         n = m.sp_size
 
         def step(*args, **kwargs):
-            args, kwargs = _annotate_inputs(self.fn, self.seq, n, args, kwargs)
+            args, kwargs = _map_inputs(self.fn, self.seq, args, kwargs,
+                                       lambda name, value, dim: annotate(value, Shard(dim), hard=False))
             return self.fn(*args, **kwargs)
 
         # Dynamo caches compiled code per code object, and every _Sharded shares this `step`:
@@ -130,6 +143,7 @@ class _Sharded:
 
     def __call__(self, *args, **kwargs):
         m = self._mesh()
+        _check_inputs(self.fn, self.seq, m.sp_size, args, kwargs)
         key = id(m.device_mesh)
         if key not in self._compiled:
             self._compiled[key] = self._step(m)
@@ -141,6 +155,7 @@ class _Sharded:
 
     def explain(self, *args, **kwargs):
         m = self._mesh()
+        _check_inputs(self.fn, self.seq, m.sp_size, args, kwargs)
 
         def capture(plan):
             raise _PlanCaptured(plan)

@@ -1,0 +1,73 @@
+"""Bad input gets an error that names the op or input, the user's line, the shapes and a fix."""
+import pytest
+import torch
+
+import autosp
+import cases
+from examples.models import Llama, LlamaConfig
+
+
+def _explain(fn, *args):
+    with autosp.mesh():
+        return autosp.explain(autosp.shard(fn, compiler="aot_eager"), *args)
+
+
+def test_sequence_not_divisible_names_input_shape_and_fix(fake_world):
+    fake_world(4)
+    model = Llama(LlamaConfig())
+    ids = torch.randint(0, 256, (1, 90))
+    with pytest.raises(autosp.PlanError, match=r"input 'input_ids'.*\(1, 90\).*length 90.*not divisible by sp=4.*pad the sequence"):
+        _explain(lambda input_ids, labels: model(input_ids, labels), ids, ids)
+
+
+def test_heads_not_divisible_names_attention_op_and_line(fake_world):
+    fake_world(8)
+    model = Llama(LlamaConfig(heads=4, kv_heads=2))
+    ids = torch.randint(0, 256, (1, 96))
+    with pytest.raises(autosp.PlanError, match=r"4 attention heads cannot be split evenly over sp=8.*flash_attention.*\(1, 4, 96, 16\).*models\.py:\d+.*F\.scaled_dot_product_attention.*Fix: use a head count divisible"):
+        _explain(lambda input_ids, labels: model(input_ids, labels), ids, ids)
+
+
+def test_op_without_rule_on_sharded_data_names_op_and_line(fake_world):
+    fake_world(2)
+    emb = torch.nn.Embedding(16, 8)
+
+    def step(ids):
+        return emb(ids).flip(1).sum()  # flip along the sharded sequence: no rule
+
+    with pytest.raises(autosp.UnsupportedOpError, match=r"no sharding rule for aten\.flip.*S\(1\).*test_errors\.py:\d+.*flip\(1\).*Fix:"):
+        _explain(step, torch.randint(0, 16, (1, 8)))
+
+
+def test_graph_break_is_an_error_naming_the_line(fake_world):
+    fake_world(2)
+    emb = torch.nn.Embedding(16, 8)
+
+    def step(ids):
+        h = emb(ids)
+        if h.sum().item() > 0:  # data-dependent Python control flow: cannot be one graph
+            h = h * 2
+        return h.sum()
+
+    with pytest.raises(autosp.GraphBreakError, match=r"graph break\) at .*test_errors\.py:\d+.*h\.sum\(\)\.item\(\) > 0.*Fix: rewrite that line"):
+        _explain(step, torch.randint(0, 16, (1, 8)))
+
+
+def test_shard_outside_mesh_is_an_error():
+    with pytest.raises(RuntimeError, match=r"inside `with autosp.mesh"):
+        autosp.shard(lambda x: x.sum())(torch.ones(2, 4))
+
+
+def test_mesh_size_mismatch_is_an_error(fake_world):
+    fake_world(4)
+    with pytest.raises(ValueError, match=r"sp=3 x dp=1 = 3 ranks, but the world has 4"):
+        with autosp.mesh(sp=3):
+            pass
+
+
+def test_ranks_with_different_shapes_fail_with_a_message_not_a_hang(pools):
+    """A rank that sees another sequence length would run other collectives: every rank gets
+    the plan-mismatch error at compile time instead of a gloo hang."""
+    msgs = pools(2).run(cases.error_message, "llama", 1, [96, 48], timeout=300)
+    for m in msgs:
+        assert "PlanError" in m and "different plans" in m, m

@@ -143,3 +143,29 @@ def error_message(kind: str, b: int, L_by_rank: list[int]) -> str:
         except Exception as e:  # noqa: BLE001 - the message is the result
             return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def redistribute_roundtrip(shape: list[int], src: str, dst: str, seed: int) -> float:
+    """Max abs error of redistribute(src -> dst) on a random global tensor, against slicing
+    the global tensor for dst directly (Partial sources: random parts that sum to it)."""
+    from autosp.annotations._spec import parse_placement
+    from autosp.partition._collectives import _slice, redistribute
+    from autosp.propagate._placement import shard_spec
+    n, r = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randn(shape, generator=g, dtype=torch.float64)
+    parts = [torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(n - 1)]
+    p, q = parse_placement(src), parse_placement(dst)
+
+    def local(t, pl):
+        spec = shard_spec(pl)
+        return _slice(t, *spec, n, r) if spec else t
+
+    if src.startswith("P"):
+        x = parts[r] if r < n - 1 else full - sum(parts)
+    else:
+        x = local(full, p)
+    group = dist.group.WORLD.group_name
+    y = redistribute(x.contiguous(), p, q, n, r, group)
+    y = torch.distributed._functional_collectives.wait_tensor(y) if hasattr(y, "wait") else y
+    return (y - local(full, q)).abs().max().item()

@@ -1,6 +1,7 @@
 """The torch.compile backend: capture -> propagate -> solve -> localize -> partition -> compile."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -15,7 +16,9 @@ from torch._decomp import get_decompositions
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from .._plan import Plan, build_plan
 from ..errors import PlanError
@@ -68,7 +71,15 @@ def _compiler(name: str) -> Callable:
         return lambda gm, example_inputs: make_boxed_func(gm.forward)
     if name == "inductor":
         from torch._inductor.compile_fx import compile_fx_inner
-        return compile_fx_inner
+        from torch._inductor.decomposition import select_decomp_table
+
+        def inductor(gm: fx.GraphModule, example_inputs):
+            # autosp planned on ops Inductor decomposes further; apply its table to the
+            # per-rank graph (collectives included) before lowering
+            with detect_fake_mode(example_inputs) or contextlib.nullcontext():
+                gm = make_fx(gm, decomposition_table=select_decomp_table())(*example_inputs)
+            return compile_fx_inner(gm, example_inputs)
+        return inductor
     raise ValueError(f"autosp: unknown compiler {name!r}; use 'inductor' or 'aot_eager'")
 
 

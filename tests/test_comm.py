@@ -1,0 +1,37 @@
+"""Communication and work, counted independently of autosp's own bookkeeping: torch.profiler's
+gloo events (what gloo actually ran) and FLOP counts, on real 2-rank gloo groups."""
+from collections import Counter
+
+import pytest
+
+import cases
+
+LAYERS = 2  # examples.models.LlamaConfig's default
+
+
+def _bytes(events):
+    return sum(numel * 4 for _, numel in events)  # every tensor in these models is fp32
+
+
+@pytest.mark.parametrize("kind,b", [("llama", 1), ("llama", 2), ("llama_manual", 1), ("llama_mha", 1)])
+def test_gloo_traffic_is_at_most_hand_written_ulysses(pools, kind, b):
+    """Catches an all-gather or reduce-scatter of an activation, an extra all-to-all, or K/V sent
+    at the query head count: per rank and step, autosp's gloo bytes <= hand-written Ulysses'."""
+    r = pools(2).run(cases.comm, kind, b, 96)[0]
+    auto, uly = Counter(n for n, _ in r["autosp"]), Counter(n for n, _ in r["ulysses"])
+    assert auto["gloo:all_to_all"] == 8 * LAYERS == uly["gloo:all_to_all"]
+    assert set(auto) <= {"gloo:all_to_all", "gloo:all_reduce"}, auto
+    assert _bytes(r["autosp"]) <= _bytes(r["ulysses"])
+    # the profiler and the plan agree on what ran
+    assert len(r["plan"]) == len(r["autosp"])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_work_and_saved_activations_are_split(pools, world):
+    """Per rank, a step's matmul FLOPs and the activations kept for backward are about 1/N of
+    the single-device step's."""
+    r = pools(world).run(cases.work, "llama", 1, 192)[0]
+    flops, single = r["flops"]
+    assert flops / single == pytest.approx(1 / world, rel=0.05)
+    saved, saved_single = r["saved"]
+    assert saved / saved_single <= 1.15 / world

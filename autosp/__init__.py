@@ -6,9 +6,9 @@
             return model(input_ids=input_ids, labels=labels).loss
 """
 from ._plan import Collective, Plan
-from .annotations import GraphBreakError, Mesh, annotate, current_mesh, explain, mesh, shard
+from .annotations import Config, GraphBreakError, Mesh, annotate, current_mesh, explain, load_config, mesh, shard
 from .errors import PlanError, UnsupportedOpError
 
-__all__ = ["mesh", "shard", "annotate", "explain", "current_mesh", "Mesh", "Plan", "Collective",
+__all__ = ["mesh", "shard", "annotate", "explain", "current_mesh", "load_config", "Config", "Mesh", "Plan", "Collective",
            "PlanError", "UnsupportedOpError", "GraphBreakError"]
 __version__ = "0.1.0"

@@ -58,12 +58,6 @@ class Plan:
         return "\n".join([head] + lines)
 
 
-def _is_backward(node: fx.Node) -> bool:
-    # AOTAutograd marks nodes traced for the backward with partitioner_tag / the grad's seq_nr;
-    # the joint graph orders all forward nodes before the first tangent use.
-    return bool(node.meta.get("autosp_backward"))
-
-
 def build_plan(joint: fx.GraphModule, choice: Choice, n: int) -> Plan:
     plan = choice.strategy
     tangents = {nd for nd in joint.graph.nodes if nd.op == "placeholder" and nd.name.startswith("tangents")}

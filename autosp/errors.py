@@ -1,16 +1,21 @@
 """autosp's errors: each names the op, the user's source line, the shapes and placements, and a fix."""
 from __future__ import annotations
 
+import os
+
 import torch.fx as fx
 
 __all__ = ["PlanError", "UnsupportedOpError", "source_line"]
 
 
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
 def source_line(node: fx.Node | None) -> str:
-    """The innermost user frame of the node's stack trace: 'file.py:12 in fn: code'."""
+    """The innermost user frame (outside autosp) of the node's stack trace: 'file.py:12, in fn: code'."""
     trace = (node.meta.get("stack_trace") or "") if node is not None else ""
     lines = [l.strip() for l in trace.strip().splitlines() if l.strip()]
-    frames = [i for i, l in enumerate(lines) if l.startswith("File ")]
+    frames = [i for i, l in enumerate(lines) if l.startswith("File ") and _PACKAGE not in l]
     if not frames:
         return "<no source line recorded>"
     i = frames[-1]

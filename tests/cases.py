@@ -169,3 +169,38 @@ def redistribute_roundtrip(shape: list[int], src: str, dst: str, seed: int) -> f
     y = redistribute(x.contiguous(), p, q, n, r, group)
     y = torch.distributed._functional_collectives.wait_tensor(y) if hasattr(y, "wait") else y
     return (y - local(full, q)).abs().max().item()
+
+
+def skip_on_rank(skip: int, timeout_s: float) -> str:
+    """Every rank but ``skip`` runs a sharded step; return what each rank saw."""
+    torch.manual_seed(0)
+    model = MODELS["llama"]()
+    ids, labels = batch("llama", 1, 96, seed=0)
+    if dist.get_rank() == skip:
+        return "skipped"
+    with autosp.mesh(timeout_s=timeout_s):
+        step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager")
+        try:
+            step(ids, labels).backward()
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def annotated_exactness() -> tuple[float, float, list]:
+    """A model whose code pins an intermediate replicated with autosp.annotate: (loss, reference
+    loss, the plan's all-gathers)."""
+    torch.manual_seed(0)
+    emb, head = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64)
+
+    def step(ids):
+        h = emb(ids)
+        h = autosp.annotate(h, "b s d")  # hard constraint: replicated here
+        return torch.nn.functional.cross_entropy(head(h).flatten(0, 1), ids.flatten())
+
+    ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
+    ref = step(ids)
+    with autosp.mesh():
+        sharded = autosp.shard(step, compiler="aot_eager")
+        loss = sharded(ids)
+    return loss.item(), ref.item(), [(c.kind, c.source) for c in sharded.plan.collectives if c.kind == "all_gather"]

@@ -71,3 +71,15 @@ def test_ranks_with_different_shapes_fail_with_a_message_not_a_hang(pools):
     msgs = pools(2).run(cases.error_message, "llama", 1, [96, 48], timeout=300)
     for m in msgs:
         assert "PlanError" in m and "different plans" in m, m
+
+
+def test_a_rank_that_skips_the_step_fails_the_others_within_the_timeout():
+    """No hang: rank 0 waits for rank 1 at compile time, and gets an error after timeout_s."""
+    from _pool import Pool
+    pool = Pool(2, timeout_s=5)
+    try:
+        msgs = pool.run(cases.skip_on_rank, 1, 5.0, timeout=120)
+    finally:
+        pool.close()
+    assert msgs[1] == "skipped"
+    assert "PlanError" in msgs[0] and "not every rank of the sp group compiled this step" in msgs[0], msgs[0]

@@ -30,3 +30,19 @@ def test_adamw_trajectory_matches_single_device_fp64(pools, world, kind, b, L):
     for r in pools(world).run(cases.exactness, kind, b, L, 3, "aot_eager", torch.float64):
         assert r["param_err"] <= 1e-10
         assert max(r["grad_err"].values()) <= 1e-10
+
+
+def test_inductor_step_matches_single_device(pools):
+    """The default compiler: Inductor's C++ kernels on the per-rank graph, collectives included."""
+    for r in pools(2).run(cases.exactness, "llama", 2, 96, 1, "inductor"):
+        loss, loss_ref = r["loss"]
+        assert abs(loss - loss_ref) <= 1e-5 * abs(loss_ref)
+        assert max(r["grad_err"].values()) <= 1e-5
+
+
+def test_annotate_is_a_hard_constraint_and_stays_exact(pools):
+    """autosp.annotate(h, "b s d") pins h replicated: the plan all-gathers it at that line, and the
+    loss still equals one device's."""
+    for loss, ref, gathers in pools(2).run(cases.annotated_exactness):
+        assert abs(loss - ref) <= 1e-5 * abs(ref)
+        assert any("annotate(h" in src for _, src in gathers), gathers

@@ -53,3 +53,13 @@ def test_redistribute_kinds_and_bytes():
     assert redistribute_kind(Replicate(), Partial()) is None
     assert transfer_bytes("all_to_all", 1024, 4) == 1024 / 4 * 3 / 4
     assert local_shape([2, 96, 64], Shard(1), 4) == [2, 24, 64]
+
+
+def test_yaml_config_round_trips_and_rejects_unknown_keys(tmp_path):
+    from autosp import load_config
+    path = tmp_path / "autosp.yaml"
+    path.write_text("mesh: {sp: 2}\nshard: {seq: {input_ids: 1}, compiler: aot_eager}\n")
+    cfg = load_config(path)
+    assert cfg.mesh == {"sp": 2} and cfg.shard == {"seq": {"input_ids": 1}, "compiler": "aot_eager"}
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['sq'\] in config section 'shard'"):
+        load_config("shard: {sq: true}")

@@ -149,7 +149,7 @@ class _Sharded:
             self._compiled[key] = self._step(m)
         out = _unwrap_errors(lambda: self._compiled[key](*args, **kwargs))
         if m.sp_size > 1 and self.plan is None and torch.is_grad_enabled():
-            raise RuntimeError("autosp: the step ran without the autosp backend (Dynamo fell back to eager); "
+            raise RuntimeError("autosp: the step ran without the autosp backend (nothing required grad, or Dynamo fell back to eager); "
                                "the results were computed unsharded")
         return out
 

@@ -204,3 +204,29 @@ def annotated_exactness() -> tuple[float, float, list]:
         sharded = autosp.shard(step, compiler="aot_eager")
         loss = sharded(ids)
     return loss.item(), ref.item(), [(c.kind, c.source) for c in sharded.plan.collectives if c.kind == "all_gather"]
+
+
+def hf_exactness(arch: str, attn: str, b: int, L: int) -> dict:
+    """A Hugging Face causal LM, unmodified, with the loss it computes from ``labels``."""
+    import hf_models
+    model = hf_models.build(arch, attn)
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 128, (b, L), generator=g)
+    labels = ids.clone()
+    labels[:, : L // 4] = -100
+    with autosp.mesh():
+        step = autosp.shard(lambda input_ids, labels: model(input_ids=input_ids, labels=labels).loss, compiler="aot_eager")
+        loss = step(ids, labels)
+        loss.backward()
+        kinds = sorted({c.kind for c in step.plan.collectives})
+    loss_ref = ref(input_ids=ids, labels=labels).loss
+    loss_ref.backward()
+    pairs = [(n, p.grad, q.grad) for (n, p), q in zip(model.named_parameters(), ref.parameters()) if q.grad is not None]
+    # A gradient that is zero in exact arithmetic (an attention key bias: softmax ignores a
+    # shift of every score in a row) is roundoff on both sides; its error is measured against
+    # 1e-4 of the model's largest gradient element instead of its own noise.
+    floor = 1e-4 * max(g.abs().max().item() for _, _, g in pairs)
+    grad_err = {n: ((a - b).abs().max() / max(b.abs().max().item(), floor)).item() for n, a, b in pairs}
+    small = {n: b.abs().max().item() / floor * 1e-4 for n, _, b in pairs if b.abs().max().item() < floor}
+    return {"loss": (loss.item(), loss_ref.item()), "grad_err": grad_err, "kinds": kinds, "tiny_grads": small}

@@ -38,7 +38,9 @@ def localize(joint: fx.GraphModule, choice: Choice, joint_inputs, n: int, rank: 
             return v[i] if u.target is not operator.getitem and isinstance(v, (tuple, list)) else v
 
         for nd in graph.nodes:
-            if nd.op == "call_function":
+            if nd.op == "get_attr":
+                env[nd] = getattr(joint, nd.target)
+            elif nd.op == "call_function":
                 s = plan[nd]
                 ins = tensor_inputs(nd)
                 local = [redistribute(value(u, i), plan[u].outs[i], q, n, rank, group)

@@ -426,9 +426,10 @@ def _embedding(node, A, n):
 @rule(aten.embedding_dense_backward.default)
 def _embedding_bwd(node, A, n):
     grad = _val(node.args[0])
-    idx = _val(node.args[1])
     res = [Strategy((R,), (R, R))]
-    for d, sf in _shards(A[1]):
+    # token dims: sharded alike in the gradient and the indices (a replicated index tensor, e.g.
+    # positions from arange, is sliced for free) give a partial sum of the table's gradient
+    for d, sf in sorted(set(_shards(A[1])) | {(d, sf) for d, sf in _shards(A[0]) if d < grad.ndim - 1}):
         res.append(Strategy((P,), (shard(d, sf), shard(d, sf))))
     for d, sf in _shards(A[0]):
         if d == grad.ndim - 1:
@@ -508,7 +509,14 @@ def _pad(node, A, n):
 def _cat(node, A, n):
     out = _val(node)
     dim = (node.args[1] if len(node.args) > 1 else 0) % out.ndim
-    k = len(tensor_inputs(node))
+    vals = [_val(u, i) for u, i in tensor_inputs(node)]
+    k = len(vals)
+    nonempty = [j for j, v in enumerate(vals) if v.numel() > 0]
+    if len(nonempty) == 1:  # e.g. a KV cache's first update: cat([empty, x]) is x, any dim
+        j = nonempty[0]
+        return [Strategy((p,), tuple(p if x == j else R for x in range(k)))
+                for p in [R] + sorted((q for q in A[j] if q != R), key=str)
+                if vals[j].ndim == out.ndim]
     res = [Strategy((R,), tuple(R for _ in range(k)))]
     if all(P in a for a in A):
         res.append(Strategy((P,), tuple(P for _ in range(k))))
@@ -562,7 +570,11 @@ def _sdpa_cpu(node, A, n):
         if dim == 1 or any(shard(dim) in A[j] for j in range(3)):
             if dim == 1 and q.shape[1] % n:
                 _heads_error(node, q.shape[1], n)
-            if not (can_shard(q.shape[dim], 1, n) and k.shape[dim] == q.shape[dim]):
+            # grouped-query attention (enable_gqa): query head j reads K/V head j // (H / KV), so
+            # contiguous blocks of query heads meet contiguous blocks of K/V heads
+            if not (can_shard(q.shape[dim], 1, n) and can_shard(k.shape[dim], 1, n)):
+                continue
+            if dim == 0 and k.shape[0] != q.shape[0]:
                 continue
             m = () if mask is None else ((shard(dim) if mask.shape[dim] == q.shape[dim] and mask.ndim == 4 else R),)
             res.append(Strategy((shard(dim), shard(dim)), (shard(dim),) * 3 + m, introduces=dim == 1))
@@ -576,8 +588,10 @@ def _sdpa_cpu_bwd(node, A, n):
     mask = _val(mask) if isinstance(mask, fx.Node) else None
     ti = len(tensor_inputs(node))
     res = [Strategy((R, R, R), tuple(R for _ in range(ti)))]
+    k = _val(node.args[2])
     for dim in (1, 0):
-        if (dim == 1 or any(shard(dim) in A[j] for j in range(6))) and can_shard(q.shape[dim], 1, n):
+        if (dim == 1 or any(shard(dim) in A[j] for j in range(6))) and can_shard(q.shape[dim], 1, n) \
+                and can_shard(k.shape[dim], 1, n):
             m = () if mask is None else ((shard(dim) if mask.shape[dim] == q.shape[dim] and mask.ndim == 4 else R),)
             res.append(Strategy((shard(dim),) * 3, (shard(dim),) * 6 + m, introduces=dim == 1))
     return res

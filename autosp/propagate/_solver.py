@@ -8,11 +8,11 @@ the collectives the plan implies (each also costs ``latency_bytes``, so that of 
 the same bytes the one with fewer collectives wins), plus ``mem_weight`` times the bytes each op leaves on a rank
 (what makes sharding worth any communication at all).
 
-Bytes are counted as at long context: a tensor with k dims that are multiples of an annotated
-sequence length counts ``seq_weight ** k`` times its bytes (k <= 2). The plan is then the one the
-same model needs at 32k tokens, where activations dwarf parameters, even when it is made at a
-short test length (where all-gathering a 64-token activation would beat all-reducing a weight
-gradient). A parameter dim that happens to be a multiple of the length only moves tie-breaks.
+Bytes are counted as at long context: a tensor with k dims that carry the annotated sequence
+(provenance, not sizes) counts ``seq_weight ** k`` times its bytes (k <= 2). The plan is then the
+one the same model needs at 32k tokens, where activations dwarf parameters, even when it is made
+at a short test length (where all-gathering a 64-token activation would beat all-reducing a
+weight gradient).
 """
 from __future__ import annotations
 
@@ -43,7 +43,6 @@ class Candidates:
     reach: dict[tuple[fx.Node, int], frozenset] = field(default_factory=dict)
     seq: dict[tuple[fx.Node, int], frozenset] = field(default_factory=dict)
     no_rule: set[fx.Node] = field(default_factory=set)
-    lengths: set[int] = field(default_factory=set)  # the annotated sequence lengths
 
 
 def _activation(reach: frozenset) -> bool:
@@ -84,9 +83,9 @@ def propagate(gm: fx.GraphModule, n: int, mesh=None) -> Candidates:
 
 
 def _forward(gm: fx.GraphModule, n: int, mesh, wanted: dict) -> Candidates:
-    c = Candidates(lengths=_seq_lengths(gm))
+    c = Candidates()
     for node in gm.graph.nodes:
-        if node.op == "placeholder":
+        if node.op in ("placeholder", "get_attr"):  # inputs, and constants lifted into the graph
             val = node.meta.get("val")
             if isinstance(val, torch.Tensor):
                 c.strategies[node] = [Strategy((R,), ())]
@@ -154,20 +153,9 @@ class Choice:
     mem_bytes: float
 
 
-def _seq_lengths(gm: fx.GraphModule) -> set[int]:
-    lengths = set()
-    for nd in gm.graph.nodes:
-        if nd.target is torch.ops.autosp.annotate.default:
-            from ..annotations._spec import parse_placement
-            from ._placement import shard_spec
-            spec = shard_spec(parse_placement(nd.args[1]))
-            if spec is not None:
-                lengths.add(out_vals(nd)[0].shape[spec[0]])
-    return lengths
-
-
-def _seq_scale(val: torch.Tensor, lengths: set[int], seq_weight: float) -> float:
-    k = sum(1 for size in val.shape if any(size >= L and size % L == 0 for L in lengths))
+def _seq_scale(c: Candidates, key: tuple[fx.Node, int], seq_weight: float) -> float:
+    """``seq_weight ** k`` for a value with k dims carrying the sequence (provenance), k <= 2."""
+    k = len({shard_spec(p)[0] for p in c.seq.get(key, ())})
     return seq_weight ** min(k, 2)
 
 
@@ -175,10 +163,10 @@ def _out_bytes(c: Candidates, node: fx.Node, s: Strategy, n: int, seq_weight: fl
     if node.target in VIEW_OPS or node.op != "call_function" or node.target is torch.ops.autosp.annotate.default:
         return 0.0
     total = 0.0
-    for v, p in zip(out_vals(node), s.outs):
-        if v is not None and p is not None and _seq_scale(v, c.lengths, 2.0) > 1:  # activations only:
+    for i, (v, p) in enumerate(zip(out_vals(node), s.outs)):
+        if v is not None and p is not None and c.seq.get((node, i)):  # activations only:
             # parameter-shaped tensors (gradients) end replicated whatever the plan does
-            total += nbytes(v) / (n if is_shard(p) else 1) * _seq_scale(v, c.lengths, seq_weight)
+            total += nbytes(v) / (n if is_shard(p) else 1) * _seq_scale(c, (node, i), seq_weight)
     return total
 
 
@@ -219,7 +207,7 @@ def solve(gm: fx.GraphModule, c: Candidates, n: int, *, mem_weight: float = 4.0,
             ustrats = c.strategies[u]
             P_u = sorted({s.outs[i] for s in ustrats}, key=str)
             Q_v = sorted({s.ins[j] for s in vstrats}, key=str)
-            size = nbytes(out_vals(u)[i]) * _seq_scale(out_vals(u)[i], c.lengths, seq_weight)
+            size = nbytes(out_vals(u)[i]) * _seq_scale(c, (u, i), seq_weight)
             ys = {}
             for p in P_u:
                 for q in Q_v:

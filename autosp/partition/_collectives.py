@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed._functional_collectives as funcol
-from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.placement_types import Placement
 
 from ..propagate._placement import redistribute_kind, shard_spec

@@ -14,11 +14,10 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Partial, Replicate
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils._pytree import tree_flatten
 
@@ -296,7 +295,6 @@ def _reduce_dims(node: fx.Node) -> tuple[set[int], bool]:
 
 
 def _reduction(node, A, n, *, linear: bool):
-    x = _val(node.args[0])
     dims, keep = _reduce_dims(node)
     outs = out_vals(node)
     mk = lambda p: tuple(p if v is not None else None for v in outs)

@@ -16,7 +16,6 @@ weight gradient).
 """
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -25,7 +24,6 @@ import torch
 import torch.fx as fx
 from scipy.optimize import LinearConstraint, milp
 from scipy.sparse import coo_array
-from torch.distributed.tensor.placement_types import Placement
 
 from ..errors import PlanError, UnsupportedOpError
 from ._placement import P, R, can_shard, is_shard, nbytes, redistribute_kind, shard, shard_spec, transfer_bytes

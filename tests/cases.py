@@ -131,18 +131,23 @@ def work(kind: str, b: int, L: int) -> dict:
     return {"flops": (sharded[0], single[0]), "saved": (sharded[1], single[1])}
 
 
-def error_message(kind: str, b: int, L_by_rank: list[int]) -> str:
-    """Run a step whose sequence length differs per rank; return the error each rank raises."""
+def _step_error(kind: str, b: int, L: int, **mesh_kwargs) -> str:
+    """Run one sharded step; return the error it raised, or "no error"."""
     torch.manual_seed(0)
     model = MODELS[kind]()
-    ids, labels = batch(kind, b, L_by_rank[dist.get_rank()], seed=0)
-    with autosp.mesh():
+    ids, labels = batch(kind, b, L, seed=0)
+    with autosp.mesh(**mesh_kwargs):
         step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager")
         try:
             step(ids, labels).backward()
         except Exception as e:  # noqa: BLE001 - the message is the result
             return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def error_message(kind: str, b: int, L_by_rank: list[int]) -> str:
+    """Run a step whose sequence length differs per rank; return the error each rank raises."""
+    return _step_error(kind, b, L_by_rank[dist.get_rank()])
 
 
 def redistribute_roundtrip(shape: list[int], src: str, dst: str, seed: int) -> float:
@@ -173,18 +178,9 @@ def redistribute_roundtrip(shape: list[int], src: str, dst: str, seed: int) -> f
 
 def skip_on_rank(skip: int, timeout_s: float) -> str:
     """Every rank but ``skip`` runs a sharded step; return what each rank saw."""
-    torch.manual_seed(0)
-    model = MODELS["llama"]()
-    ids, labels = batch("llama", 1, 96, seed=0)
     if dist.get_rank() == skip:
         return "skipped"
-    with autosp.mesh(timeout_s=timeout_s):
-        step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager")
-        try:
-            step(ids, labels).backward()
-        except Exception as e:  # noqa: BLE001 - the message is the result
-            return f"{type(e).__name__}: {e}"
-    return "no error"
+    return _step_error("llama", 1, 96, timeout_s=timeout_s)
 
 
 def annotated_exactness() -> tuple[float, float, list]:

@@ -1,0 +1,231 @@
+"""Side-by-side benchmarks: step time, tokens/s, compile time, communication and peak memory,
+for one model, mesh and set of sequence lengths, in one run.
+
+    python -m benchmarks.run --quick --out runs/bench          # < 5 minutes on 2 CPU cores
+    python -m benchmarks.run --out runs/bench                  # the full set
+    python -m benchmarks.run --device cuda --sp 2 --out ...    # NCCL, Inductor/Triton
+    python -m benchmarks.run --device cuda --rank-local --sp 8 --seqs 65536 --preset llama-1b
+        # one GPU: one rank's share of an 8-rank job, collectives on a fake process group
+
+Every configuration runs in fresh processes (one per rank), so compile time and peak memory are
+its own. Communication is what gloo/NCCL actually ran in one step (torch.profiler's collective
+events), never autosp's plan. Peak memory is the peak RSS growth during the steps on CPU
+(/proc/self/clear_refs resets the high-water mark), torch.cuda.max_memory_allocated on GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+PRESETS = {
+    # dim, layers, heads, kv_heads, ffn, vocab
+    "tiny": dict(dim=128, layers=2, heads=8, kv_heads=4, ffn=384, vocab=256),
+    "small": dict(dim=256, layers=4, heads=8, kv_heads=4, ffn=768, vocab=256),
+    "llama-1b": dict(dim=2048, layers=16, heads=32, kv_heads=8, ffn=8192, vocab=128256),
+}
+
+
+def _rss_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak(device: str) -> int:
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    return _rss_bytes("VmRSS")
+
+
+def _peak(device: str) -> int:
+    if device == "cuda":
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+    return _rss_bytes("VmHWM")
+
+
+def _comm_bytes(prof, element_size: int) -> int:
+    total = 0
+    for e in prof.events():
+        if e.name.startswith(("gloo:", "nccl:")) and e.input_shapes:
+            shape = e.input_shapes[0]
+            total += (int(torch.tensor(shape).prod().item()) if shape else 1) * element_size
+    return total
+
+
+def _worker(rank: int, world: int, port: int, cfg: dict, q) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(cfg["threads"])
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import torch.distributed as dist
+
+    import autosp
+    from benchmarks.systems import SYSTEMS
+    from examples.models import Llama, LlamaConfig
+
+    device = cfg["device"]
+    record = {k: cfg[k] for k in ("system", "seq", "sp")}
+    try:
+        if cfg["rank_local"]:
+            from torch.testing._internal.distributed.fake_pg import FakeStore
+            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cfg["sp"])
+        with autosp.mesh(sp=world if not cfg["rank_local"] else cfg["sp"]) as mesh:
+            torch.manual_seed(0)
+            model = Llama(LlamaConfig(**PRESETS[cfg["preset"]])).to(device)
+            g = torch.Generator().manual_seed(1)
+            ids = torch.randint(0, model.c.vocab, (cfg["batch"], cfg["seq"]), generator=g).to(device)
+            run = SYSTEMS[cfg["system"]](model, ids, ids.clone(), mesh, cfg["compiler"])
+            base = _reset_peak(device)
+            t0 = time.perf_counter()
+            loss = run()
+            compile_time = time.perf_counter() - t0
+            for _ in range(cfg["warmup"] - 1):
+                run()
+            times = []
+            for _ in range(cfg["steps"]):
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                t = time.perf_counter()
+                run()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t)
+            peak = _peak(device) - base
+            with torch.profiler.profile(record_shapes=True) as prof:
+                run()
+            step = statistics.median(times)
+            record.update(step_time_s=step, tokens_per_s=ids.numel() / step,
+                          compile_time_s=max(compile_time - step, 0.0), comm_bytes_per_step=_comm_bytes(prof, 4),
+                          peak_mem_bytes=peak, loss=loss, error=None)
+    except Exception as e:  # noqa: BLE001 - a system that cannot run is a result too
+        record.update(error=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}" if str(e).strip() else type(e).__name__)
+        if os.environ.get("AUTOSP_BENCH_TRACE"):
+            traceback.print_exc()
+    q.put((rank, record))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_config(cfg: dict, timeout: float) -> dict:
+    world = 1 if cfg["system"] == "single" or cfg["rank_local"] else cfg["sp"]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, cfg, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    records = []
+    deadline = time.time() + timeout
+    try:
+        for _ in range(world):
+            records.append(q.get(timeout=max(deadline - time.time(), 1)))
+    except Exception:  # noqa: BLE001
+        records.append((0, {**{k: cfg[k] for k in ("system", "seq", "sp")}, "error": f"timed out after {timeout:.0f} s"}))
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    by_rank = dict(records)
+    rec = by_rank.get(0) or next(iter(by_rank.values()))
+    errors = [r.get("error") for r in by_rank.values() if r.get("error")]
+    if errors:
+        rec["error"] = errors[0]
+    elif len(by_rank) > 1:
+        rec["peak_mem_bytes"] = max(r["peak_mem_bytes"] for r in by_rank.values())
+    rec["mode"] = "rank-local" if cfg["rank_local"] else ("single-device" if cfg["system"] == "single" else f"{world} ranks")
+    if cfg["system"] == "single":
+        rec["sp"] = 1
+    return rec
+
+
+def _table(records: list[dict]) -> str:
+    rows = ["| system | seq | sp | step time (s) | tokens/s | compile (s) | comm MiB/step/rank | peak mem MiB/rank | note |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        if r.get("error"):
+            rows.append(f"| {r['system']} | {r['seq']} | {r['sp']} | - | - | - | - | - | {r['error']} |")
+        else:
+            rows.append(f"| {r['system']} | {r['seq']} | {r['sp']} | {r['step_time_s']:.3f} | {r['tokens_per_s']:.0f} | "
+                        f"{r['compile_time_s']:.1f} | {r['comm_bytes_per_step'] / 2**20:.2f} | {r['peak_mem_bytes'] / 2**20:.0f} | |")
+    return "\n".join(rows)
+
+
+def _plots(records: list[dict], out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    for key, label, fname in (("step_time_s", "step time (s)", "step_time.png"),
+                              ("peak_mem_bytes", "peak memory per rank (MiB)", "peak_mem.png")):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for system in dict.fromkeys(r["system"] for r in records):
+            pts = sorted((r["seq"], r[key] / (2**20 if "mem" in key else 1)) for r in records
+                         if r["system"] == system and not r.get("error"))
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=system)
+        ax.set_xscale("log", base=2); ax.set_xlabel("sequence length"); ax.set_ylabel(label); ax.grid(alpha=0.3)
+        ax.legend(); fig.tight_layout(); fig.savefig(out / fname, dpi=110); plt.close(fig)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("runs/bench"))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sp", type=int, default=2)
+    ap.add_argument("--seqs", default=None, help="comma-separated sequence lengths")
+    ap.add_argument("--systems", default="single,ulysses_eager,ulysses_compiled,dtensor,context_parallel,autosp")
+    ap.add_argument("--preset", default=None, choices=sorted(PRESETS))
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--compiler", default="inductor", choices=["inductor", "aot_eager"])
+    ap.add_argument("--rank-local", action="store_true")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=1)
+    args = ap.parse_args(argv)
+    seqs = [int(s) for s in args.seqs.split(",")] if args.seqs else ([4096] if args.quick else [1024, 2048, 4096, 8192])
+    preset = args.preset or ("tiny" if args.quick else "small")
+    systems = args.systems.split(",")
+    if args.quick:
+        systems = [s for s in systems if s != "ulysses_eager"]
+    threads = max(1, (os.cpu_count() or 1) // (1 if args.rank_local else args.sp))
+    args.out.mkdir(parents=True, exist_ok=True)
+    records = []
+    for seq in seqs:
+        for system in systems:
+            cfg = dict(system=system, seq=seq, sp=args.sp, preset=preset, device=args.device, compiler=args.compiler,
+                       rank_local=args.rank_local, steps=args.steps, warmup=2, batch=args.batch,
+                       threads=threads if system != "single" else (os.cpu_count() or 1))
+            rec = run_config(cfg, timeout=900)
+            rec.update(preset=preset, device=args.device, compiler=args.compiler)
+            records.append(rec)
+            print(json.dumps(rec), flush=True)
+    machine = {"host": platform.node(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+               "python": platform.python_version(), "cuda": torch.cuda.get_device_name() if args.device == "cuda" else None}
+    (args.out / "results.json").write_text(json.dumps({"machine": machine, "records": records}, indent=1))
+    (args.out / "results.md").write_text(_table(records) + "\n")
+    _plots(records, args.out)
+    print(_table(records))
+
+
+if __name__ == "__main__":
+    main()

@@ -9,8 +9,11 @@ for one model, mesh and set of sequence lengths, in one run.
 
 Every configuration runs in fresh processes (one per rank), so compile time and peak memory are
 its own. Communication is what gloo/NCCL actually ran in one step (torch.profiler's collective
-events), never autosp's plan. Peak memory is the peak RSS growth during the steps on CPU
-(/proc/self/clear_refs resets the high-water mark), torch.cuda.max_memory_allocated on GPU.
+events, elements x 4 bytes: the models are fp32), never autosp's plan. Peak memory is the growth
+of the peak over the memory held after warm-up (parameters and gradients), during the timed
+steps: activations, temporaries and communication buffers. On CPU that is RSS, with glibc told
+to mmap every allocation over 64 KiB so that RSS follows the live tensors, and
+/proc/self/clear_refs resetting the high-water mark; on GPU torch.cuda.max_memory_allocated.
 """
 from __future__ import annotations
 
@@ -91,12 +94,13 @@ def _worker(rank: int, world: int, port: int, cfg: dict, q) -> None:
             g = torch.Generator().manual_seed(1)
             ids = torch.randint(0, model.c.vocab, (cfg["batch"], cfg["seq"]), generator=g).to(device)
             run = SYSTEMS[cfg["system"]](model, ids, ids.clone(), mesh, cfg["compiler"])
-            base = _reset_peak(device)
             t0 = time.perf_counter()
             loss = run()
             compile_time = time.perf_counter() - t0
             for _ in range(cfg["warmup"] - 1):
                 run()
+            # after compilation (whose own memory is not the step's) and with gradients allocated
+            base = _reset_peak(device)
             times = []
             for _ in range(cfg["steps"]):
                 if device == "cuda":
@@ -130,6 +134,9 @@ def _free_port() -> int:
 
 def run_config(cfg: dict, timeout: float) -> dict:
     world = 1 if cfg["system"] == "single" or cfg["rank_local"] else cfg["sp"]
+    # glibc keeps freed heap pages, so RSS would not fall after a step; with every allocation
+    # over 64 KiB mmapped (and unmapped on free), RSS follows the live tensors
+    os.environ.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()

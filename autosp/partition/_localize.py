@@ -8,10 +8,11 @@ import operator
 import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
+import torch.distributed._functional_collectives as funcol
 from torch.utils._pytree import tree_map
 
 from ..errors import PlanError
-from ..propagate._placement import R, local_shape
+from ..propagate._placement import P, R, local_shape
 from ..propagate._rules import out_vals, tensor_inputs
 from ..propagate._solver import Choice
 from ._collectives import redistribute
@@ -25,7 +26,31 @@ _SHAPE_ARG = {aten.view.default, aten._unsafe_view.default, aten.reshape.default
               aten.slice_backward.default, aten.select_backward.default}
 
 
-def localize(joint: fx.GraphModule, choice: Choice, joint_inputs, n: int, rank: int, group) -> fx.GraphModule:
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
+
+
+def _bucketed_all_reduce(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
+    """All-reduce the partial outputs (parameter gradients) in flat buckets of up to 25 MiB, as
+    DDP does: one collective (and one rank-to-rank sync) per bucket instead of per parameter.
+    Measured on 2 CPU ranks (small preset, seq 4096): per-parameter all-reduces in the backward
+    doubled the time spent waiting on collectives (294 ms vs 140 ms per 2 steps)."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    buckets: dict[torch.dtype, list[list[int]]] = {}
+    for i, t in enumerate(tensors):
+        groups = buckets.setdefault(t.dtype, [[]])
+        if groups[-1] and sum(tensors[j].numel() * t.element_size() for j in groups[-1]) + t.numel() * t.element_size() > BUCKET_BYTES:
+            groups.append([])
+        groups[-1].append(i)
+    for groups in buckets.values():
+        for idx in groups:
+            flat = funcol.all_reduce(torch.cat([tensors[i].reshape(-1) for i in idx]), "sum", group)
+            for i, piece in zip(idx, flat.split([tensors[i].numel() for i in idx])):
+                out[i] = piece.view(tensors[i].shape)
+    return out
+
+
+def localize(joint: fx.GraphModule, choice: Choice, joint_inputs, n: int, rank: int, group,
+             num_fwd_outputs: int = 0) -> fx.GraphModule:
     graph = joint.graph
     placeholders = [nd for nd in graph.nodes if nd.op == "placeholder"]
     plan = choice.strategy
@@ -71,9 +96,14 @@ def localize(joint: fx.GraphModule, choice: Choice, joint_inputs, n: int, rank: 
                                     f"{shapes}, input placements {[str(q) for q in s.ins]}, output {[str(o) for o in s.outs]}",
                                     "this is an autosp bug in the op's sharding rule; please report it with this message") from e
             elif nd.op == "output":
+                grads = list(nd.args[0])[num_fwd_outputs:]  # forward outputs stay apart
+                partial = [a for a in grads if isinstance(a, fx.Node) and plan[a].outs[0] == P]
+                reduced = _bucketed_all_reduce([env[a] for a in partial], group)
+                done = dict(zip(partial, reduced))
+
                 def out(a):
                     if isinstance(a, fx.Node):
-                        return redistribute(env[a], plan[a].outs[0], R, n, rank, group)
+                        return done[a] if a in done else redistribute(env[a], plan[a].outs[0], R, n, rank, group)
                     return a
                 return tree_map(out, nd.args[0])
 

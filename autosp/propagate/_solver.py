@@ -213,7 +213,10 @@ def solve(gm: fx.GraphModule, c: Candidates, n: int, *, mem_weight: float = 4.0,
                     if kind is None:
                         continue
                     ys[(p, q)] = len(cost)
-                    cost.append(transfer_bytes(kind, size, n) + (latency_bytes if kind else 0.0))
+                    # partial outputs (gradients) are all-reduced together in buckets at the end
+                    # (partition._localize): no per-collective latency there
+                    latency = latency_bytes if kind and not (v is out_node and kind == "all_reduce") else 0.0
+                    cost.append(transfer_bytes(kind, size, n) + latency)
                     edge_info.append((v, j, u, p, q, kind))
             for p in P_u:
                 add_row([(ys[(p, q)], 1.0) for q in Q_v if (p, q) in ys]

@@ -54,7 +54,7 @@ class Pool:
         for p in self.procs:
             p.start()
 
-    def run(self, fn, *args, timeout: float = 600.0) -> list:
+    def run(self, fn, *args, timeout: float = float(os.environ.get("AUTOSP_TEST_TIMEOUT", 600))) -> list:
         for q in self.inq:
             q.put((fn, args))
         results, errors = [None] * self.world, []

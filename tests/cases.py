@@ -14,6 +14,7 @@ MODELS = {
     "llama": lambda: Llama(LlamaConfig()),
     "llama_manual": lambda: Llama(LlamaConfig(attn="manual")),
     "llama_mha": lambda: Llama(LlamaConfig(heads=4, kv_heads=4)),
+    "llama_mqa": lambda: Llama(LlamaConfig(heads=4, kv_heads=1)),
     "gpt": lambda: GPT(GPTConfig()),
 }
 
@@ -226,3 +227,4 @@ def hf_exactness(arch: str, attn: str, b: int, L: int) -> dict:
     grad_err = {n: ((a - b).abs().max() / max(b.abs().max().item(), floor)).item() for n, a, b in pairs}
     small = {n: b.abs().max().item() / floor * 1e-4 for n, _, b in pairs if b.abs().max().item() < floor}
     return {"loss": (loss.item(), loss_ref.item()), "grad_err": grad_err, "kinds": kinds, "tiny_grads": small}
+

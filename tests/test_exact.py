@@ -46,3 +46,13 @@ def test_annotate_is_a_hard_constraint_and_stays_exact(pools):
     for loss, ref, gathers in pools(2).run(cases.annotated_exactness):
         assert abs(loss - ref) <= 1e-5 * abs(ref)
         assert any("annotate(h" in src for _, src in gathers), gathers
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fewer_kv_heads_than_ranks_stays_exact(pools, world):
+    """Multi-query attention (1 KV head) on 2 and 4 ranks: K/V cannot be split by head, so they
+    are gathered (the bytes of ALST's replicate-then-all-to-all); the result is still exact."""
+    for r in pools(world).run(cases.exactness, "llama_mqa", 1, 96, 1):
+        loss, loss_ref = r["loss"]
+        assert abs(loss - loss_ref) <= 1e-5 * abs(loss_ref)
+        assert max(r["grad_err"].values()) <= 1e-5

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 import autosp
 from examples.ulysses import allreduce_grads, ulysses_loss
@@ -45,7 +44,7 @@ def _ulysses(compiled: bool):
 def dtensor(model, ids, labels, mesh, compiler):
     """Plain DTensor: parameters replicated, inputs sharded along the sequence, DTensor's greedy
     per-op propagation in eager mode."""
-    from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
     sp = mesh.sp_mesh
     distribute_module(model, sp)  # parameters -> replicated DTensors
     dids = distribute_tensor(ids, sp, [Shard(1)])

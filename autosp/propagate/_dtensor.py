@@ -48,5 +48,5 @@ def dtensor_strategies(node: fx.Node, A, n: int, mesh) -> list[Strategy] | None:
         outs = tuple(o.placements[0] if o is not None else None for o in outs)
         if len(outs) != nouts or s.input_specs is None or len(s.input_specs) != len(inputs):
             continue
-        strats.append(Strategy(outs, tuple(i.placements[0] for i in s.input_specs), note="dtensor"))
+        strats.append(Strategy(outs, tuple(i.placements[0] for i in s.input_specs)))
     return strats or None

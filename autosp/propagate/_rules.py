@@ -36,7 +36,6 @@ class Strategy:
 
     outs: tuple[Placement | None, ...]
     ins: tuple[Placement, ...]
-    note: str = ""
     introduces: bool = False  # may shard dims no input's placement reached (attention heads)
 
 

@@ -17,7 +17,9 @@ def pools():
     started: dict[int, Pool] = {}
 
     def get(world: int) -> Pool:
-        if world not in started:
+        if world not in started or started[world].broken:
+            if world in started:
+                started[world].close()
             started[world] = Pool(world)
         return started[world]
 

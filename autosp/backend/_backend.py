@@ -17,7 +17,6 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .._plan import Plan, build_plan
@@ -83,22 +82,39 @@ def _compiler(name: str) -> Callable:
     raise ValueError(f"autosp: unknown compiler {name!r}; use 'inductor' or 'aot_eager'")
 
 
+_plan_checks: dict[str, int] = {}  # compiles checked so far, per process group
+
+
 def _check_same_plan(plan: Plan, mesh) -> None:
     """Every rank must run the same collectives: compare plan fingerprints once per compile, so a
-    divergence is an error here rather than a hang (or a gloo abort) in the first step."""
-    if mesh.sp_size == 1 or torch.distributed.get_backend(mesh.sp_group) == "fake":
+    divergence is an error here rather than a hang (or a gloo abort) in the first step.
+
+    The exchange goes through the c10d store, not a collective on the sp group: it does not take
+    a slot in the group's collective sequence, and it cannot deadlock with the gloo transport
+    mid-compile (an all_gather_object here hung intermittently on gloo with 2 and 4 ranks)."""
+    group = mesh.sp_group
+    if mesh.sp_size == 1 or torch.distributed.get_backend(group) == "fake":
         return
+    dist = torch.distributed
+    k = _plan_checks[group.group_name] = _plan_checks.get(group.group_name, 0) + 1
+    base = dist.distributed_c10d._get_default_store()
+    store = dist.PrefixStore(f"autosp/plan/{group.group_name}/{k}/", base)
     digest = hashlib.sha256(repr([(c.kind, c.src, c.dst, c.shape) for c in plan.collectives]).encode()).hexdigest()
-    digests = [None] * mesh.sp_size
-    with unset_fake_temporarily():  # the partitioner runs under AOTAutograd's fake mode
-        try:
-            torch.distributed.all_gather_object(digests, digest, group=mesh.sp_group)
-        except RuntimeError as e:
-            raise PlanError(None, f"not every rank of the sp group compiled this step ({e})",
-                            "call the sharded step on every rank of the group, with the same arguments") from e
+    ranks = [str(r) for r in dist.get_process_group_ranks(group)]
+    store.set(str(dist.get_rank()), digest)
+    if os.environ.get("AUTOSP_DEBUG") == "1":
+        log.warning("autosp plan check %d on %s: rank %d, %d collectives", k, group.group_name, dist.get_rank(),
+                    len(plan.collectives))
+    try:
+        store.wait(ranks, base.timeout)
+    except RuntimeError as e:
+        raise PlanError(None, f"not every rank of the sp group compiled this step within {base.timeout} ({e})",
+                        "call the sharded step on every rank of the group, with the same arguments") from e
+    digests = [store.get(r).decode() for r in ranks]
     if len(set(digests)) != 1:
-        raise PlanError(None, f"the sp ranks built different plans (fingerprints {digests}); a rank saw other "
-                        "shapes or code", "call the sharded step with identical, full inputs on every rank of the group")
+        raise PlanError(None, f"the sp ranks built different plans (fingerprints {[d[:12] for d in digests]}); a rank "
+                        "saw other shapes or code", "call the sharded step with identical, full inputs on every rank "
+                        "of the group")
 
 
 def make_backend(mesh, options: Options, on_plan: Callable[[Plan], None] | None = None):

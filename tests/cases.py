@@ -152,10 +152,11 @@ def error_message(kind: str, b: int, L_by_rank: list[int]) -> str:
 
 
 def redistribute_roundtrip(shape: list[int], src: str, dst: str, seed: int) -> float:
-    """Max abs error of redistribute(src -> dst) on a random global tensor, against slicing
-    the global tensor for dst directly (Partial sources: random parts that sum to it)."""
+    """Max abs error of redistribute(src -> dst) on a random global tensor, against cutting the
+    global tensor for dst directly with torch.tensor_split (the balanced split autosp uses, uneven
+    when n does not divide a block); Partial sources: random parts that sum to it."""
     from autosp.annotations._spec import parse_placement
-    from autosp.partition._collectives import _slice, redistribute
+    from autosp.partition._collectives import redistribute
     from autosp.propagate._placement import shard_spec
     n, r = dist.get_world_size(), dist.get_rank()
     g = torch.Generator().manual_seed(seed)
@@ -165,16 +166,23 @@ def redistribute_roundtrip(shape: list[int], src: str, dst: str, seed: int) -> f
 
     def local(t, pl):
         spec = shard_spec(pl)
-        return _slice(t, *spec, n, r) if spec else t
+        if spec is None:
+            return t
+        d, sf = spec
+        blocks = t.reshape(shape[:d] + [sf, shape[d] // sf] + shape[d + 1:])
+        mine = torch.tensor_split(blocks, n, dim=d + 1)[r]
+        return mine.reshape(shape[:d] + [-1] + shape[d + 1:])
 
     if src.startswith("P"):
         x = parts[r] if r < n - 1 else full - sum(parts)
     else:
         x = local(full, p)
     group = dist.group.WORLD.group_name
-    y = redistribute(x.contiguous(), p, q, n, r, group)
+    y = redistribute(x.contiguous(), p, q, n, r, group, shape)
     y = torch.distributed._functional_collectives.wait_tensor(y) if hasattr(y, "wait") else y
-    return (y - local(full, q)).abs().max().item()
+    want = local(full, q)
+    assert y.shape == want.shape, (tuple(y.shape), tuple(want.shape))
+    return (y - want).abs().max().item() if want.numel() else 0.0
 
 
 def skip_on_rank(skip: int, timeout_s: float) -> str:
@@ -227,3 +235,101 @@ def hf_exactness(arch: str, attn: str, b: int, L: int) -> dict:
     grad_err = {n: ((a - b).abs().max() / max(b.abs().max().item(), floor)).item() for n, a, b in pairs}
     return {"loss": (loss.item(), loss_ref.item()), "grad_err": grad_err, "kinds": kinds}
 
+
+
+def _token_losses(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none",
+                                             ignore_index=-100).view(targets.shape)
+
+
+def _preshift(ids):
+    return torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+
+
+# Losses users write, each a function of (model, input_ids, labels) -> scalar. The labels a case
+# gets are built by LOSS_LABELS below; several put every valid token on some ranks and none on others.
+LOSS_FNS = {
+    # the model's own loss: causal shift inside, mean over valid tokens (HF's convention)
+    "shift_inside": lambda m, ids, labels: m(ids, labels),
+    # labels shifted by the data pipeline; the model never sees them
+    "preshifted": lambda m, ids, labels: torch.nn.functional.cross_entropy(
+        m(ids).flatten(0, 1), labels.flatten(), ignore_index=-100),
+    # a masked sum divided by a count, written out
+    "masked_sum_over_count": lambda m, ids, labels: (
+        (_token_losses(m(ids), labels) * (labels != -100)).sum() / (labels != -100).sum()),
+    # a plain sum (the caller divides later, e.g. by tokens in the whole accumulation window)
+    "sum": lambda m, ids, labels: _token_losses(m(ids), labels).sum(),
+    # per-sequence means, then the mean over the batch (sample-weighted, not token-weighted)
+    "per_sequence_mean": lambda m, ids, labels: (
+        (_token_losses(m(ids), labels).sum(1) / (labels != -100).sum(1).clamp_min(1)).mean()),
+    # token mean plus a z-loss on the log-partition (PaLM)
+    "z_loss": lambda m, ids, labels: (
+        torch.nn.functional.cross_entropy(m(ids).flatten(0, 1), labels.flatten(), ignore_index=-100)
+        + 1e-4 * m(ids).logsumexp(-1).pow(2).mean()),
+}
+
+
+def _loss_labels(case: str, b: int, L: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, labels) for a loss case; the labels skew the valid tokens across ranks."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (b, L), generator=g)
+    labels = ids.clone() if case == "shift_inside" else _preshift(ids)
+    n = dist.get_world_size()
+    labels[:, : L - L // n] = -100  # every valid label on the last rank's shard
+    if b > 1:
+        labels[1, : L // 2] = ids[1, 1 : L // 2 + 1]  # ...except in row 1, valid on the first half
+    return ids, labels
+
+
+def loss_exactness(case: str, b: int, L: int) -> dict:
+    """A user-written loss over the Llama example: loss and grads against one device."""
+    torch.manual_seed(0)
+    model = MODELS["llama"]()
+    ref = copy.deepcopy(model)
+    ids, labels = _loss_labels(case, b, L)
+    fn = LOSS_FNS[case]
+    with autosp.mesh():
+        step = autosp.shard(lambda input_ids, labels: fn(model, input_ids, labels), compiler="aot_eager")
+        loss = step(ids, labels)
+        loss.backward()
+    loss_ref = fn(ref, ids, labels)
+    loss_ref.backward()
+    return {"loss": (loss.item(), loss_ref.item()),
+            "grad_err": {n: _rel(p.grad, q.grad) for (n, p), q in zip(model.named_parameters(), ref.parameters())},
+            "planned": step.plan is not None}
+
+
+def low_precision(mode: str, b: int, L: int) -> dict:
+    """bf16 training, two ways users run it: bf16 parameters ("bf16"), or fp32 parameters under
+    CPU autocast to bf16 ("autocast"). Returns, for the sharded step and for the same step on one
+    device, the loss and the worst relative gradient error, both against an fp64 run."""
+    torch.manual_seed(0)
+    base = MODELS["llama"]()
+    ids, labels = batch("llama", b, L, seed=0)
+    ref = copy.deepcopy(base).double()
+    ref(ids, labels).backward()
+
+    def run(model, fn):
+        loss = fn(ids, labels)
+        loss.backward()
+        err = max(_rel(p.grad.double(), q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+        return loss.item(), err
+
+    def make():
+        model = copy.deepcopy(base)
+        if mode == "bf16":
+            return model.to(torch.bfloat16), lambda i, l: model(i, l)
+
+        def fn(i, l):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return model(i, l)
+        return model, fn
+
+    single_model, single_fn = make()
+    single = run(single_model, single_fn)
+    model, fn = make()
+    with autosp.mesh():
+        step = autosp.shard(lambda input_ids, labels: fn(input_ids, labels), compiler="aot_eager")
+        sharded = run(model, step)
+    return {"sharded": sharded, "single": single, "fp64_loss": ref(ids, labels).item(),
+            "planned": step.plan is not None}

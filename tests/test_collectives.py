@@ -10,10 +10,16 @@ PAIRS = [
 ]
 
 
+# even blocks; uneven ones (7 and 5 over 2 or 4 ranks, _S(0,4) of 8 over 4: 1, 1, 0, 0); and
+# blocks shorter than the number of ranks
+SHAPES = [[16, 16, 12], [8, 7, 5], [4, 3, 2]]
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("src,dst", PAIRS)
 def test_redistribute_matches_direct_slicing(pools, world, src, dst):
-    """Catches a wrong chunk order in the all-to-all or the strided shard (b blocks of s)."""
-    shape = [16, 16, 12]
-    errs = pools(world).run(cases.redistribute_roundtrip, shape, src, dst, 0)
-    assert max(errs) < 1e-12
+    """Catches a wrong chunk order in the all-to-all or the strided shard (b blocks of s), and a
+    wrong size or offset of an uneven chunk."""
+    for shape in SHAPES:
+        errs = pools(world).run(cases.redistribute_roundtrip, shape, src, dst, 0)
+        assert max(errs) < 1e-12, shape

@@ -18,3 +18,13 @@ def test_hf_model_loss_and_grads_match_single_device(pools, arch, attn):
         worst = max(r["grad_err"].items(), key=lambda kv: kv[1])
         assert worst[1] <= 1e-5, worst
         assert r["kinds"] == ["all_reduce", "all_to_all"], r["kinds"]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2", "gemma"])
+def test_hf_model_with_uneven_sequence_on_4_ranks(pools, arch):
+    """61 tokens over 4 ranks (16, 15, 15, 15): exact, with Ulysses' collectives."""
+    for r in pools(4).run(cases.hf_exactness, arch, "sdpa", 1, 61):
+        loss, ref = r["loss"]
+        assert abs(loss - ref) <= 1e-5 * abs(ref)
+        assert max(r["grad_err"].values()) <= 1e-5
+        assert r["kinds"] == ["all_reduce", "all_to_all"], r["kinds"]

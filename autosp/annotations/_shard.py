@@ -60,15 +60,15 @@ def _map_inputs(fn: Callable, seq: SeqSpec, args, kwargs, mark):
 
 
 def _check_inputs(fn: Callable, seq: SeqSpec, n: int, args, kwargs) -> None:
+    """Sequence dims need not divide by n (shards are then uneven, balanced), but must exist."""
     def check(name, value, dim):
-        if value.shape[dim] % n:
+        if value.ndim <= dim or value.shape[dim] == 0:
             raise PlanError(None, f"input {name!r} of {getattr(fn, '__qualname__', fn)} has shape {tuple(value.shape)}: "
-                            f"its sequence dim {dim} (length {value.shape[dim]}) is not divisible by sp={n}",
-                            f"pad the sequence to a multiple of {n} (labels -100 on the padding), or change sp")
+                            f"it has no sequence dim {dim} to shard over sp={n}",
+                            "pass a non-empty sequence, or name the sharded inputs and dims with shard(seq=...)")
         return value
 
     _map_inputs(fn, seq, args, kwargs, check)
-
 
 
 def _unwrap_errors(call):

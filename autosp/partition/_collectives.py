@@ -3,16 +3,20 @@
 Every collective is a ``torch.distributed._functional_collectives`` call, so it traces into the
 per-rank graph as a ``_c10d_functional`` op that Inductor can schedule. Shard->Shard is a real
 ``all_to_all_single`` (DTensor's CPU redistribute falls back to all-gather + chunk on gloo,
-torch 2.13). A shard (dim d, split factor sf) of a global dim of size sf*n*c holds, of each of the
-sf blocks, the c elements at this rank's position.
+torch 2.13). A shard (dim d, split factor sf) of a global dim of size sf*B holds, of each of the
+sf blocks of B elements, the chunk at this rank's position (``chunks``: balanced, so uneven when
+n does not divide B). Uneven shards gather through padded buffers (as DTensor does) and exchange
+with split sizes; even ones take the reshape-only paths.
 """
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor.placement_types import Placement
 
-from ..propagate._placement import redistribute_kind, shard_spec
+from ..propagate._placement import chunks, redistribute_kind, shard_spec
 
 __all__ = ["redistribute"]
 
@@ -21,58 +25,100 @@ def _split(shape: list[int], d: int, parts: list[int]) -> list[int]:
     return shape[:d] + parts + shape[d + 1:]
 
 
+def _offsets(cs: list[int]) -> list[int]:
+    return [sum(cs[:j]) for j in range(len(cs))]
+
+
 def _slice(x: torch.Tensor, d: int, sf: int, n: int, rank: int) -> torch.Tensor:
-    c = x.shape[d] // (sf * n)
-    if sf == 1:
-        return x.narrow(d, rank * c, c)
+    """This rank's shard of the full tensor ``x``."""
     shape = list(x.shape)
-    return x.reshape(_split(shape, d, [sf, n, c])).select(d + 1, rank).reshape(_split(shape, d, [sf * c]))
+    block = shape[d] // sf
+    cs = chunks(block, n)
+    y = x.reshape(_split(shape, d, [sf, block])).narrow(d + 1, _offsets(cs)[rank], cs[rank])
+    return y.reshape(_split(shape, d, [sf * cs[rank]]))
 
 
-def _gather(x: torch.Tensor, d: int, sf: int, n: int, group) -> torch.Tensor:
+def _pad_to(x: torch.Tensor, d: int, size: int) -> torch.Tensor:
+    if x.shape[d] == size:
+        return x
+    fill = list(x.shape)
+    fill[d] = size - x.shape[d]
+    return torch.cat([x, x.new_zeros(fill)], dim=d)
+
+
+def _gather(x: torch.Tensor, d: int, sf: int, n: int, group, block: int) -> torch.Tensor:
+    """The full tensor from every rank's shard (``block``: the global block size)."""
     shape = list(x.shape)
+    cs = chunks(block, n)
     c = shape[d] // sf
-    y = funcol.all_gather_tensor(x.contiguous(), 0, group)  # (n*shape[0], ...): ranks stacked
-    y = y.reshape([n] + _split(shape, d, [sf, c]))
-    y = y.movedim(0, d + 1)  # (..., sf, n, c, ...)
-    return y.reshape(_split(shape, d, [sf * n * c]))
+    y = x.reshape(_split(shape, d, [sf, c]))
+    y = _pad_to(y, d + 1, cs[0]).contiguous()
+    y = funcol.all_gather_tensor(y, 0, group)  # ranks stacked on dim 0
+    y = y.reshape([n] + _split(shape, d, [sf, cs[0]]))
+    if all(cj == cs[0] for cj in cs):
+        y = y.movedim(0, d + 1)  # (..., sf, n, c, ...)
+    else:
+        y = torch.cat([y[j].narrow(d + 1, 0, cj) for j, cj in enumerate(cs)], dim=d + 1)
+    return y.reshape(_split(shape, d, [sf * block]))
 
 
-def _reduce_scatter(x: torch.Tensor, d: int, sf: int, n: int, group) -> torch.Tensor:
+def _reduce_scatter(x: torch.Tensor, d: int, sf: int, n: int, rank: int, group) -> torch.Tensor:
     shape = list(x.shape)
-    c = shape[d] // (sf * n)
-    y = x.reshape(_split(shape, d, [sf, n, c])).movedim(d + 1, 0).contiguous()
+    block = shape[d] // sf
+    cs = chunks(block, n)
+    y = x.reshape(_split(shape, d, [sf, block]))
+    if all(cj == cs[0] for cj in cs):
+        y = y.reshape(_split(shape, d, [sf, n, cs[0]])).movedim(d + 1, 0).contiguous()
+    else:
+        y = torch.stack([_pad_to(p, d + 1, cs[0]) for p in y.split(cs, dim=d + 1)]).contiguous()
     y = funcol.reduce_scatter_tensor(y, "sum", 0, group)
-    return y.reshape(_split(shape, d, [sf * c]))
+    y = y.reshape(_split(shape, d, [sf, cs[0]])).narrow(d + 1, 0, cs[rank])
+    return y.reshape(_split(shape, d, [sf * cs[rank]]))
 
 
-def _all_to_all(x: torch.Tensor, a: int, sfa: int, b: int, sfb: int, n: int, group) -> torch.Tensor:
+def _all_to_all(x: torch.Tensor, a: int, sfa: int, b: int, sfb: int, n: int, rank: int, group,
+                block_a: int) -> torch.Tensor:
     """Sharded on dim a (sfa) -> sharded on dim b (sfb): split b's blocks over the ranks, exchange,
     and put each source rank's piece of dim a in its place."""
     shape = list(x.shape)
-    cb = shape[b] // (sfb * n)
-    y = x.reshape(_split(shape, b, [sfb, n, cb])).movedim(b + 1, 0).contiguous()
-    y = funcol.all_to_all_single(y, None, None, group)
-    mid = _split(shape, b, [sfb * cb])
-    ca = shape[a] // sfa
-    y = y.reshape([n] + _split(mid, a, [sfa, ca]))
-    y = y.movedim(0, a + 1)  # (..., sfa, n, ca, ...)
-    return y.reshape(_split(mid, a, [sfa * n * ca]))
+    block_b = shape[b] // sfb
+    ca, cb = chunks(block_a, n), chunks(block_b, n)
+    if len(set(ca)) == 1 and len(set(cb)) == 1:
+        y = x.reshape(_split(shape, b, [sfb, n, cb[0]])).movedim(b + 1, 0).contiguous()
+        y = funcol.all_to_all_single(y, None, None, group)
+        mid = _split(shape, b, [sfb * cb[0]])
+        y = y.reshape([n] + _split(mid, a, [sfa, ca[0]]))
+        y = y.movedim(0, a + 1)  # (..., sfa, n, ca, ...)
+        return y.reshape(_split(mid, a, [sfa * n * ca[0]]))
+    # uneven: flat buffers with split sizes; piece j of dim b goes to rank j
+    xb = x.reshape(_split(shape, b, [sfb, block_b]))
+    send = [xb.narrow(b + 1, o, c).reshape(-1) for o, c in zip(_offsets(cb), cb)]
+    mids = []  # the shape of what rank j sends here: its chunk of a, this rank's chunk of b
+    for j in range(n):
+        m = list(shape)
+        m[a], m[b] = sfa * ca[j], sfb * cb[rank]
+        mids.append(m)
+    recv_sizes = [int(torch.Size(m).numel()) for m in mids]
+    y = funcol.all_to_all_single(torch.cat(send), recv_sizes, [t.numel() for t in send], group)
+    pieces = [p.reshape(_split(m, a, [sfa, ca[j]])) for j, (p, m) in enumerate(zip(y.split(recv_sizes), mids))]
+    return torch.cat(pieces, dim=a + 1).reshape(_split(mids[0], a, [sfa * block_a]))
 
 
-def redistribute(x: torch.Tensor, src: Placement, dst: Placement, n: int, rank: int, group) -> torch.Tensor:
+def redistribute(x: torch.Tensor, src: Placement, dst: Placement, n: int, rank: int, group,
+                 global_shape: Sequence[int]) -> torch.Tensor:
+    """``x``, this rank's part of a tensor of ``global_shape`` placed as ``src``, placed as ``dst``."""
     kind = redistribute_kind(src, dst)
     s, d = shard_spec(src), shard_spec(dst)
     if kind == "":
         return x if src == dst else _slice(x, *d, n, rank)
     if kind == "all_gather":
-        return _gather(x, *s, n, group)
+        return _gather(x, *s, n, group, global_shape[s[0]] // s[1])
     if kind == "all_reduce":
         return funcol.all_reduce(x, "sum", group)
     if kind == "reduce_scatter":
-        return _reduce_scatter(x, *d, n, group)
+        return _reduce_scatter(x, *d, n, rank, group)
     if kind == "all_to_all":
         if s[0] == d[0]:  # same dim, other split factor: through the full tensor
-            return _slice(_gather(x, *s, n, group), *d, n, rank)
-        return _all_to_all(x, s[0], s[1], d[0], d[1], n, group)
+            return _slice(_gather(x, *s, n, group, global_shape[s[0]] // s[1]), *d, n, rank)
+        return _all_to_all(x, s[0], s[1], d[0], d[1], n, rank, group, global_shape[s[0]] // s[1])
     raise AssertionError(f"autosp: cannot redistribute {src} -> {dst}")

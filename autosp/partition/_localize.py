@@ -68,7 +68,7 @@ def localize(joint: fx.GraphModule, choice: Choice, joint_inputs, n: int, rank: 
             elif nd.op == "call_function":
                 s = plan[nd]
                 ins = tensor_inputs(nd)
-                local = [redistribute(value(u, i), plan[u].outs[i], q, n, rank, group)
+                local = [redistribute(value(u, i), plan[u].outs[i], q, n, rank, group, out_vals(u)[i].shape)
                          for (u, i), q in zip(ins, s.ins)]
                 if nd.target is operator.getitem or nd.target is torch.ops.autosp.annotate.default:
                     env[nd] = local[0]
@@ -83,7 +83,7 @@ def localize(joint: fx.GraphModule, choice: Choice, joint_inputs, n: int, rank: 
                 args = tree_map(sub, nd.args)
                 kwargs = tree_map(sub, nd.kwargs)
                 if nd.target in _SHAPE_ARG:
-                    args = (args[0], local_shape(out_vals(nd)[0].shape, s.outs[0], n)) + tuple(args[2:])
+                    args = (args[0], local_shape(out_vals(nd)[0].shape, s.outs[0], n, rank)) + tuple(args[2:])
                 target = nd.target
                 if target in (aten.view.default, aten._unsafe_view.default):
                     # the global graph's strides allowed a view; a collective's output may not
@@ -103,7 +103,8 @@ def localize(joint: fx.GraphModule, choice: Choice, joint_inputs, n: int, rank: 
 
                 def out(a):
                     if isinstance(a, fx.Node):
-                        return done[a] if a in done else redistribute(env[a], plan[a].outs[0], R, n, rank, group)
+                        return done[a] if a in done else redistribute(env[a], plan[a].outs[0], R, n, rank, group,
+                                                                      out_vals(a)[0].shape)
                     return a
                 return tree_map(out, nd.args[0])
 

@@ -4,6 +4,11 @@ what moving it from one placement to another costs.
 DTensor's vocabulary: ``Replicate()``, ``Partial()``, ``Shard(d)`` and ``_StridedShard(d, sf)``.
 A strided shard appears when a sharded dim is flattened behind other dims, e.g. (b, s@sp, h)
 viewed as (b*s, h): dim 0 is then ``_S(0, b)``, b blocks each split over the ranks.
+
+A block that does not divide by the number of ranks is split unevenly, balanced: the first
+``block % n`` ranks hold one element more (5 tokens over 2 ranks: 3 and 2; 3 over 4: 1, 1, 1, 0).
+DTensor's own uneven layout (torch.chunk: 3 and 2, or 1, 1, 1, 0) differs only in which ranks
+are short; the balanced split keeps every rank busy when the length is just over a multiple of n.
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 __all__ = [
-    "R", "P", "shard", "shard_spec", "is_shard", "local_shape", "can_shard",
+    "R", "P", "shard", "shard_spec", "is_shard", "local_shape", "can_shard", "chunks", "is_even",
     "redistribute_kind", "transfer_bytes",
 ]
 
@@ -41,15 +46,27 @@ def is_shard(p: Placement) -> bool:
 
 
 def can_shard(size: int, sf: int, n: int) -> bool:
-    """A dim of ``size`` splits exactly into ``sf`` blocks, each over ``n`` ranks."""
+    """A dim of ``size`` splits exactly into ``sf`` blocks, each evenly over ``n`` ranks."""
     return size > 0 and size % (sf * n) == 0
 
 
-def local_shape(shape: Sequence[int], p: Placement, n: int) -> list[int]:
+def is_even(size: int, sf: int, n: int) -> bool:
+    return size % (sf * n) == 0
+
+
+def chunks(block: int, n: int) -> list[int]:
+    """How a block of ``block`` elements splits over ``n`` ranks (balanced)."""
+    q, r = divmod(block, n)
+    return [q + (i < r) for i in range(n)]
+
+
+def local_shape(shape: Sequence[int], p: Placement, n: int, rank: int = 0) -> list[int]:
+    """The shape ``rank`` holds of a global tensor of ``shape`` placed as ``p``."""
     out = list(shape)
     spec = shard_spec(p)
     if spec is not None:
-        out[spec[0]] //= n
+        d, sf = spec
+        out[d] = sf * chunks(out[d] // sf, n)[rank]
     return out
 
 

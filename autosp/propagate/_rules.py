@@ -21,7 +21,7 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils._pytree import tree_flatten
 
-from ._placement import P, R, can_shard, shard, shard_spec
+from ._placement import P, R, can_shard, is_even, shard, shard_spec
 
 __all__ = ["Strategy", "RULES", "tensor_inputs", "out_vals", "strategies_for", "VIEW_OPS"]
 
@@ -177,9 +177,11 @@ def _view_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[list[int]
     return groups
 
 
-def _locate(sizes: Sequence[int], dims: Sequence[int], stride: int, n: int) -> tuple[int, int] | None:
+def _locate(sizes: Sequence[int], dims: Sequence[int], stride: int, n: int, block: int | None = None):
     """Within a group of dims, the dim where a shard with outer ``stride`` (elements of the
-    flattened group before the split) falls, and its split factor there."""
+    flattened group before the split) falls, and its split factor there. An uneven shard
+    (``block`` elements split over the ranks, block % n != 0) only survives a view that keeps its
+    block whole as one dim: merged with inner dims, its pieces would no longer be a balanced split."""
     prefix = 1
     for d in dims:
         size = sizes[d]
@@ -187,6 +189,8 @@ def _locate(sizes: Sequence[int], dims: Sequence[int], stride: int, n: int) -> t
             continue
         if prefix <= stride < prefix * size and stride % prefix == 0:
             sf = stride // prefix
+            if block is not None:
+                return (d, sf) if size % sf == 0 and size // sf == block else None
             return (d, sf) if can_shard(size, sf, n) else None
         prefix *= size
     return None
@@ -205,8 +209,9 @@ def _view(node, A, n):
             if d not in gi:
                 continue
             stride = math.prod(src[x] for x in gi if x < d) * sf
-            o = _locate(out, gj, stride, n)
-            i = _locate(src, gi, stride, n)
+            block = None if is_even(src[d], sf, n) else src[d] // sf
+            o = _locate(out, gj, stride, n, block)
+            i = _locate(src, gi, stride, n, block)
             if o is not None and i == (d, sf):
                 res.append(Strategy((shard(*o),), (shard(d, sf),)))
     return _dedup(res)

@@ -40,11 +40,11 @@ class RMSNorm(nn.Module):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
 
-def _rope(positions, head_dim: int, theta: float):
+def _rope(positions, head_dim: int, theta: float, dtype: torch.dtype):
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
     freqs = positions[..., None].float() * inv
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
+    return emb.cos().to(dtype), emb.sin().to(dtype)  # computed in fp32, applied in the model's dtype
 
 
 def _rotate_half(x):
@@ -56,7 +56,7 @@ def _causal_attention(q, k, v, kind: str):
     if kind == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     t = q.shape[-2]
-    mask = torch.full((t, t), float("-inf"), device=q.device).triu(1)
+    mask = torch.full((t, t), float("-inf"), device=q.device, dtype=q.dtype).triu(1)
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) + mask
     return scores.softmax(dim=-1) @ v
 
@@ -113,7 +113,7 @@ class Llama(nn.Module):
     def forward(self, input_ids, labels=None):
         b, t = input_ids.shape
         positions = torch.arange(t, device=input_ids.device)[None].expand(b, t)
-        cos, sin = _rope(positions, self.c.dim // self.c.heads, self.c.rope_theta)
+        cos, sin = _rope(positions, self.c.dim // self.c.heads, self.c.rope_theta, self.embed.weight.dtype)
         x = self.embed(input_ids)
         for block in self.blocks:
             x = block(x, cos, sin)

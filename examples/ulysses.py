@@ -67,7 +67,7 @@ def ulysses_loss(model: Llama, input_ids, labels, group=None):
     shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]  # shift before slicing: crosses shards
     ids, tgt = input_ids[:, sl], shifted[:, sl]
     positions = torch.arange(r * c, (r + 1) * c, device=ids.device)[None].expand(b, c)
-    cos, sin = _rope(positions, model.c.dim // model.c.heads, model.c.rope_theta)
+    cos, sin = _rope(positions, model.c.dim // model.c.heads, model.c.rope_theta, model.embed.weight.dtype)
     x = model.embed(ids)
     for blk in model.blocks:
         x = x + _attention(blk.attn, blk.attn_norm(x), cos, sin, group, n)

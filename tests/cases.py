@@ -15,6 +15,8 @@ MODELS = {
     "llama_manual": lambda: Llama(LlamaConfig(attn="manual")),
     "llama_mha": lambda: Llama(LlamaConfig(heads=4, kv_heads=4)),
     "llama_mqa": lambda: Llama(LlamaConfig(heads=4, kv_heads=1)),
+    "llama_6h": lambda: Llama(LlamaConfig(dim=96, heads=6, kv_heads=2)),  # 6 heads: uneven over 4
+    "llama_6h_manual": lambda: Llama(LlamaConfig(dim=96, heads=6, kv_heads=3, attn="manual")),
     "gpt": lambda: GPT(GPTConfig()),
 }
 
@@ -333,3 +335,50 @@ def low_precision(mode: str, b: int, L: int) -> dict:
         sharded = run(model, step)
     return {"sharded": sharded, "single": single, "fp64_loss": ref(ids, labels).item(),
             "planned": step.plan is not None}
+
+
+def hf_masked_exactness(arch: str, attn: str, kind: str, b: int, L: int) -> dict:
+    """A Hugging Face causal LM fed what real batches carry: a padding ``attention_mask`` (kind
+    "right" or "left", rows padded by different amounts, labels -100 on the padding) or packed
+    documents whose ``position_ids`` restart at each document start ("packed": HF builds the
+    document-causal mask from them). Loss and grads against one device."""
+    import hf_models
+    model = hf_models.build(arch, attn)
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 128, (b, L), generator=g)
+    labels = ids.clone()
+    kwargs = {}
+    if kind in ("right", "left"):
+        mask = torch.ones(b, L, dtype=torch.long)
+        for row in range(b):
+            pad = (row + 1) * L // (2 * b + 1)  # different per row, crossing shard boundaries
+            sl = slice(L - pad, L) if kind == "right" else slice(0, pad)
+            mask[row, sl] = 0
+            labels[row, sl] = -100
+        kwargs["attention_mask"] = mask
+    elif kind == "packed":
+        starts = [0, L // 3 + 1, L // 2 + 3]  # documents that straddle the shards
+        pos = torch.zeros(b, L, dtype=torch.long)
+        for s, e in zip(starts, starts[1:] + [L]):
+            pos[:, s:e] = torch.arange(e - s)
+        kwargs["position_ids"] = pos
+        labels[:, starts] = -100  # no prediction across a document boundary
+    else:
+        raise ValueError(kind)
+    names = ["input_ids", "labels", *kwargs]
+
+    def call(m, input_ids, labels, **kw):
+        return m(input_ids=input_ids, labels=labels, **kw).loss
+
+    with autosp.mesh():
+        step = autosp.shard(lambda input_ids, labels, **kw: call(model, input_ids, labels, **kw), compiler="aot_eager")
+        loss = step(ids, labels, **kwargs)
+        loss.backward()
+        kinds = sorted({c.kind for c in step.plan.collectives})
+    loss_ref = call(ref, ids, labels, **kwargs)
+    loss_ref.backward()
+    pairs = [(n, p.grad, q.grad) for (n, p), q in zip(model.named_parameters(), ref.parameters()) if q.grad is not None]
+    floor = 1e-4 * max(gr.abs().max().item() for _, _, gr in pairs)
+    grad_err = {n: ((a - c).abs().max() / max(c.abs().max().item(), floor)).item() for n, a, c in pairs}
+    return {"loss": (loss.item(), loss_ref.item()), "grad_err": grad_err, "kinds": kinds, "names": names}

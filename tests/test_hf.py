@@ -28,3 +28,19 @@ def test_hf_model_with_uneven_sequence_on_4_ranks(pools, arch):
         assert abs(loss - ref) <= 1e-5 * abs(ref)
         assert max(r["grad_err"].values()) <= 1e-5
         assert r["kinds"] == ["all_reduce", "all_to_all"], r["kinds"]
+
+
+MASKED = [("llama", "sdpa", "right"), ("qwen3", "eager", "left"), ("opt", "sdpa", "left"),
+          ("gpt2", "sdpa", "packed"), ("llama", "eager", "packed")]
+
+
+@pytest.mark.parametrize("arch,attn,kind", MASKED)
+def test_hf_padding_masks_and_packed_documents_on_4_ranks(pools, arch, attn, kind):
+    """A padding attention_mask (left or right, per-row amounts that cross shard boundaries) and
+    packed documents (position_ids restarting per document: HF's document-causal mask): exact, with
+    Ulysses' collectives (the masks are built replicated from the full inputs, as on one device)."""
+    for r in pools(4).run(cases.hf_masked_exactness, arch, attn, kind, 2, 64):
+        loss, ref = r["loss"]
+        assert abs(loss - ref) <= 1e-5 * abs(ref)
+        assert max(r["grad_err"].values()) <= 1e-5
+        assert r["kinds"] == ["all_reduce", "all_to_all"], r["kinds"]

@@ -82,3 +82,11 @@ def test_batch_is_never_sharded(fake_world):
     model, plan = _plan(world, heads, kv, dim, "sdpa", b=2)
     got = Counter((c.kind, c.backward, math.prod(c.shape)) for c in plan.collectives)
     assert got == _ulysses_expected(model, world, heads, kv, dim, b=2), str(plan)
+
+
+def test_uneven_heads_plan_is_ulysses_with_an_uneven_split(fake_world):
+    """6 heads over 4 ranks with SDPA: all-to-alls only (no all-gather of K/V), as even Ulysses."""
+    fake_world(4)
+    _, plan = _plan(4, 6, 2, 96, "sdpa")
+    kinds = {c.kind for c in plan.collectives}
+    assert kinds == {"all_to_all", "all_reduce"}, kinds

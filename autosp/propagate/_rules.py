@@ -555,10 +555,21 @@ def _getitem(node, A, n):
 # ---------------------------------------------------------------------------------------------
 # attention: heads (or batch) sharded; never the sequence, since the causal mask is global
 
-def _heads_error(node, heads, n):
+def _heads_error(node, heads, kv_heads, n):
     from ..errors import PlanError
-    raise PlanError(node, f"{heads} attention heads cannot be split evenly over sp={n} ranks",
-                    "use a head count divisible by the sp size (uneven heads are not supported yet)")
+    raise PlanError(node, f"{heads} query heads and {kv_heads} K/V heads (grouped-query attention inside the "
+                    f"attention op) cannot be split over sp={n} ranks: an uneven head split needs each query "
+                    "head's K/V head on the same rank",
+                    "repeat K/V to the query head count before attention (as Hugging Face's repeat_kv does), "
+                    "or use an sp size that divides both head counts")
+
+
+def _heads_split(q, k, n) -> bool:
+    """Whether attention can run with its heads split over the ranks: evenly (grouped-query blocks
+    then align: query head j reads K/V head j // (H / KV)), or unevenly (balanced, e.g. 6 heads
+    over 4 ranks: 2, 2, 1, 1) when every query head has its own K/V head at the op."""
+    H, KV = q.shape[1], k.shape[1]
+    return (H % n == 0 and KV % n == 0) or H == KV
 
 
 @rule(aten._scaled_dot_product_flash_attention_for_cpu.default)
@@ -570,11 +581,11 @@ def _sdpa_cpu(node, A, n):
     res = [Strategy((R, R), tuple(R for _ in range(ti)))]
     for dim in (1, 0):
         if dim == 1 or any(shard(dim) in A[j] for j in range(3)):
-            if dim == 1 and q.shape[1] % n:
-                _heads_error(node, q.shape[1], n)
-            # grouped-query attention (enable_gqa): query head j reads K/V head j // (H / KV), so
-            # contiguous blocks of query heads meet contiguous blocks of K/V heads
-            if not (can_shard(q.shape[dim], 1, n) and can_shard(k.shape[dim], 1, n)):
+            if dim == 1 and not _heads_split(q, k, n):
+                if q.shape[1] % n:
+                    _heads_error(node, q.shape[1], k.shape[1], n)
+                continue
+            if dim == 0 and not (can_shard(q.shape[0], 1, n) and can_shard(k.shape[0], 1, n)):
                 continue
             if dim == 0 and k.shape[0] != q.shape[0]:
                 continue
@@ -592,8 +603,8 @@ def _sdpa_cpu_bwd(node, A, n):
     res = [Strategy((R, R, R), tuple(R for _ in range(ti)))]
     k = _val(node.args[2])
     for dim in (1, 0):
-        if (dim == 1 or any(shard(dim) in A[j] for j in range(6))) and can_shard(q.shape[dim], 1, n) \
-                and can_shard(k.shape[dim], 1, n):
+        if (dim == 1 and _heads_split(q, k, n)) or (any(shard(dim) in A[j] for j in range(6)) and dim == 0
+                                                     and can_shard(q.shape[0], 1, n) and can_shard(k.shape[0], 1, n)):
             m = () if mask is None else ((shard(dim) if mask.shape[dim] == q.shape[dim] and mask.ndim == 4 else R),)
             res.append(Strategy((shard(dim),) * 3, (shard(dim),) * 6 + m, introduces=dim == 1))
     return res

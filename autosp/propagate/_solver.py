@@ -168,6 +168,9 @@ def _out_bytes(c: Candidates, node: fx.Node, s: Strategy, n: int, seq_weight: fl
     return total
 
 
+_NO_RULE_PENALTY = 1e18
+
+
 def solve(gm: fx.GraphModule, c: Candidates, n: int, *, mem_weight: float = 4.0,
           seq_weight: float = 64.0, latency_bytes: float = 1e4) -> Choice:
     nodes = [nd for nd in gm.graph.nodes if nd in c.strategies]
@@ -216,7 +219,14 @@ def solve(gm: fx.GraphModule, c: Candidates, n: int, *, mem_weight: float = 4.0,
                     # partial outputs (gradients) are all-reduced together in buckets at the end
                     # (partition._localize): no per-collective latency there
                     latency = latency_bytes if kind and not (v is out_node and kind == "all_reduce") else 0.0
-                    cost.append(transfer_bytes(kind, size, n) + latency)
+                    # an op without a rule runs replicated. Index and mask bookkeeping (integer
+                    # or bool data, e.g. HF's padding_mask[batch_idx, kv_idx]) is then computed
+                    # replicated from the full inputs, for free; a collective into one on
+                    # floating-point data is an error below (an all-gather of activations should
+                    # be the user's explicit choice: autosp.annotate(x, "R"))
+                    forbidden = (_NO_RULE_PENALTY if kind and v in c.no_rule
+                                 and not out_vals(u)[i].dtype.is_floating_point else 0.0)
+                    cost.append(transfer_bytes(kind, size, n) + latency + forbidden)
                     edge_info.append((v, j, u, p, q, kind))
             for p in P_u:
                 add_row([(ys[(p, q)], 1.0) for q in Q_v if (p, q) in ys]

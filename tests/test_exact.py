@@ -74,8 +74,8 @@ def test_fewer_kv_heads_than_ranks_stays_exact(pools, world):
 
 @pytest.mark.parametrize("kind", ["llama_6h", "llama_6h_manual"])
 def test_query_heads_not_divisible_by_ranks_stays_exact(pools, kind):
-    """6 heads over 4 ranks. SDPA: Ulysses with an uneven head split (2, 2, 1, 1). Attention written
-    with matmuls: the plan gathers K/V along the sequence instead (autosp.explain shows which)."""
+    """6 heads over 4 ranks: Ulysses with an uneven head split (2, 2, 1, 1), for SDPA and for
+    attention written with matmuls (its batched matmuls split (batch x heads) the same way)."""
     for r in pools(4).run(cases.exactness, kind, 1, 64, 1):
         loss, loss_ref = r["loss"]
         assert abs(loss - loss_ref) <= 1e-5 * abs(loss_ref)

@@ -84,9 +84,10 @@ def test_batch_is_never_sharded(fake_world):
     assert got == _ulysses_expected(model, world, heads, kv, dim, b=2), str(plan)
 
 
-def test_uneven_heads_plan_is_ulysses_with_an_uneven_split(fake_world):
-    """6 heads over 4 ranks with SDPA: all-to-alls only (no all-gather of K/V), as even Ulysses."""
+@pytest.mark.parametrize("attn", ["sdpa", "manual"])
+def test_uneven_heads_plan_is_ulysses_with_an_uneven_split(fake_world, attn):
+    """6 heads over 4 ranks: all-to-alls only (no all-gather of K/V), as with even heads."""
     fake_world(4)
-    _, plan = _plan(4, 6, 2, 96, "sdpa")
+    _, plan = _plan(4, 6, 2, 96, attn)
     kinds = {c.kind for c in plan.collectives}
     assert kinds == {"all_to_all", "all_reduce"}, kinds

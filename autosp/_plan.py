@@ -37,6 +37,7 @@ class Plan:
     placements: dict[str, tuple[str, ...]]
     collectives: tuple[Collective, ...]
     mem_bytes: float
+    notes: tuple[str, ...] = ()  # choices worth knowing: uneven splits, attention not run as Ulysses
 
     @property
     def comm_bytes(self) -> float:
@@ -55,7 +56,7 @@ class Plan:
                          f"{c.bytes_per_rank / 2**20:.4f}", c.op, c.source))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
         lines = ["  ".join(r[i].ljust(widths[i]) for i in range(len(widths))) + "  " + r[-1] for r in rows]
-        return "\n".join([head] + lines)
+        return "\n".join([head] + lines + [f"note: {x}" for x in self.notes])
 
 
 def build_plan(joint: fx.GraphModule, choice: Choice, n: int) -> Plan:
@@ -84,4 +85,28 @@ def build_plan(joint: fx.GraphModule, choice: Choice, n: int) -> Plan:
                                     transfer_bytes(kind, nbytes(v), n), u.name,
                                     nd.name if nd is not out_node else "output",
                                     str(where.target), source_line(where), nd in backward or u in backward))
-    return Plan(n, placements, tuple(colls), choice.mem_bytes)
+    return Plan(n, placements, tuple(colls), choice.mem_bytes, tuple(_attention_notes(joint, plan, n)))
+
+
+def _attention_notes(joint: fx.GraphModule, plan, n: int) -> list[str]:
+    """Say how each attention op runs when it is not plain Ulysses (heads split evenly)."""
+    from .propagate._placement import chunks, shard_spec
+    notes = []
+    for nd in joint.graph.nodes:
+        if nd.op != "call_function" or "scaled_dot_product" not in str(nd.target) or "backward" in str(nd.target):
+            continue
+        q, k = out_vals(nd.args[0])[0], out_vals(nd.args[1])[0]
+        H, KV = q.shape[1], k.shape[1]
+        spec = shard_spec(plan[nd].ins[0])
+        where = f"attention at {source_line(nd)}"
+        if spec == (1, 1):
+            if H % n:
+                notes.append(f"{where}: {H} heads split unevenly over sp={n} (heads per rank {chunks(H, n)}); "
+                             "the ranks with more heads set the pace of attention")
+        elif spec == (0, 1):
+            notes.append(f"{where}: split over the batch ({q.shape[0]} sequences) instead of the heads")
+        else:
+            why = f"{H} query heads < sp={n}" if H < n else f"{H} query / {KV} K/V heads do not split over sp={n}"
+            notes.append(f"{where}: not Ulysses ({why}); it runs on inputs placed {plan[nd].ins[0]} (Q), "
+                         f"{plan[nd].ins[1]} (K), {plan[nd].ins[2]} (V): see the all-gathers above")
+    return notes

@@ -382,3 +382,41 @@ def hf_masked_exactness(arch: str, attn: str, kind: str, b: int, L: int) -> dict
     floor = 1e-4 * max(gr.abs().max().item() for _, _, gr in pairs)
     grad_err = {n: ((a - c).abs().max() / max(c.abs().max().item(), floor)).item() for n, a, c in pairs}
     return {"loss": (loss.item(), loss_ref.item()), "grad_err": grad_err, "kinds": kinds, "names": names}
+
+
+def random_hf_exactness(cfg: dict) -> dict:
+    """A random small Hugging Face Llama (``cfg``: layers, heads, kv_heads, head_dim, b, L, pad,
+    attn), rows right-padded by up to ``pad`` tokens (attention_mask 0, labels -100 there)."""
+    import hf_models  # noqa: F401 - sets the offline flag
+    import transformers as T
+    c = T.LlamaConfig(hidden_size=cfg["heads"] * cfg["head_dim"], intermediate_size=48, num_attention_heads=cfg["heads"],
+                      num_key_value_heads=cfg["kv_heads"], head_dim=cfg["head_dim"], num_hidden_layers=cfg["layers"],
+                      vocab_size=64, use_cache=False)
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(c, attn_implementation=cfg["attn"])
+    model.loss_type = "ForCausalLM"
+    ref = copy.deepcopy(model)
+    b, L = cfg["b"], cfg["L"]
+    g = torch.Generator().manual_seed(cfg["L"])
+    ids = torch.randint(0, 64, (b, L), generator=g)
+    labels, mask = ids.clone(), torch.ones(b, L, dtype=torch.long)
+    for row in range(b):
+        pad = cfg["pad"] // (row + 1)
+        if pad:
+            mask[row, L - pad:] = 0
+            labels[row, L - pad:] = -100
+    kw = {"attention_mask": mask} if cfg["pad"] else {}
+
+    def call(m, input_ids, labels, **k):
+        return m(input_ids=input_ids, labels=labels, **k).loss
+
+    with autosp.mesh():
+        step = autosp.shard(lambda input_ids, labels, **k: call(model, input_ids, labels, **k), compiler="aot_eager")
+        loss = step(ids, labels, **kw)
+        loss.backward()
+    loss_ref = call(ref, ids, labels, **kw)
+    loss_ref.backward()
+    pairs = [(n, p.grad, q.grad) for (n, p), q in zip(model.named_parameters(), ref.parameters()) if q.grad is not None]
+    floor = 1e-4 * max(gr.abs().max().item() for _, _, gr in pairs)
+    grad_err = {n: ((a - r).abs().max() / max(r.abs().max().item(), floor)).item() for n, a, r in pairs}
+    return {"loss": (loss.item(), loss_ref.item()), "grad_err": grad_err}

@@ -568,9 +568,11 @@ def _heads_error(node, heads, kv_heads, n):
 def _heads_split(q, k, n) -> bool:
     """Whether attention can run with its heads split over the ranks: evenly (grouped-query blocks
     then align: query head j reads K/V head j // (H / KV)), or unevenly (balanced, e.g. 6 heads
-    over 4 ranks: 2, 2, 1, 1) when every query head has its own K/V head at the op."""
+    over 4 ranks: 2, 2, 1, 1) when every query head has its own K/V head at the op and every rank
+    gets one."""
     H, KV = q.shape[1], k.shape[1]
-    return (H % n == 0 and KV % n == 0) or H == KV
+    # no rank without heads: the CPU attention kernels divide by the head count (SIGFPE)
+    return (H % n == 0 and KV % n == 0) or (H == KV and H >= n)
 
 
 @rule(aten._scaled_dot_product_flash_attention_for_cpu.default)
@@ -583,9 +585,9 @@ def _sdpa_cpu(node, A, n):
     for dim in (1, 0):
         if dim == 1 or any(shard(dim) in A[j] for j in range(3)):
             if dim == 1 and not _heads_split(q, k, n):
-                if q.shape[1] % n:
+                if q.shape[1] % n and q.shape[1] >= n:
                     _heads_error(node, q.shape[1], k.shape[1], n)
-                continue
+                continue  # fewer heads than ranks: the plan gathers (autosp.explain notes it)
             if dim == 0 and not (can_shard(q.shape[0], 1, n) and can_shard(k.shape[0], 1, n)):
                 continue
             if dim == 0 and k.shape[0] != q.shape[0]:

@@ -420,3 +420,39 @@ def random_hf_exactness(cfg: dict) -> dict:
     floor = 1e-4 * max(gr.abs().max().item() for _, _, gr in pairs)
     grad_err = {n: ((a - r).abs().max() / max(r.abs().max().item(), floor)).item() for n, a, r in pairs}
     return {"loss": (loss.item(), loss_ref.item()), "grad_err": grad_err}
+
+
+def dropout_run(p: float) -> dict:
+    """A Hugging Face GPT-2 with every dropout at ``p``, trained through autosp: two runs from the
+    same seed, and the dropout op itself on a known input."""
+    import hf_models  # noqa: F401 - offline flag
+    import transformers as T
+    cfg = T.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=256, vocab_size=128, use_cache=False,
+                       resid_pdrop=p, embd_pdrop=p, attn_pdrop=p)
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    model.loss_type = "ForCausalLM"
+    model.train()
+    ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(0))
+    out = {}
+    with autosp.mesh():
+        step = autosp.shard(lambda input_ids, labels: model(input_ids=input_ids, labels=labels).loss, compiler="aot_eager")
+        for run in (0, 1):
+            torch.manual_seed(123)
+            model.zero_grad()
+            loss = step(ids, ids)
+            loss.backward()
+            out[f"loss{run}"] = loss.item()
+            out[f"grads{run}"] = torch.cat([q.grad.reshape(-1) for q in model.parameters()]).clone()
+            out[f"next{run}"] = torch.rand(()).item()  # the default generator after the step
+        model.eval()  # no dropout: another graph
+        out["loss_eval"] = step(ids, ids).item()
+    out["grad_digest"] = out["grads0"].double().sum().item(), out["grads0"].abs().double().sum().item()
+    out["runs_differ"] = (out["grads0"] - out["grads1"]).abs().max().item()
+    del out["grads0"], out["grads1"]
+    torch.manual_seed(5)
+    y, mask = torch.ops.autosp.dropout(torch.ones(4096), 0.5, dist.get_rank())
+    out["mask_frac"] = mask.float().mean().item()
+    out["mask_digest"] = hash(mask.numpy().tobytes())
+    out["scaled"] = sorted(set(y.tolist()))
+    return out

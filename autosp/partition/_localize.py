@@ -12,10 +12,11 @@ import torch.distributed._functional_collectives as funcol
 from torch.utils._pytree import tree_map
 
 from ..errors import PlanError
-from ..propagate._placement import P, R, local_shape
+from ..propagate._placement import P, R, is_shard, local_shape
 from ..propagate._rules import out_vals, tensor_inputs
 from ..propagate._solver import Choice
 from ._collectives import redistribute
+from ._random import sharded_dropout
 
 __all__ = ["localize"]
 
@@ -85,6 +86,9 @@ def localize(joint: fx.GraphModule, choice: Choice, joint_inputs, n: int, rank: 
                 if nd.target in _SHAPE_ARG:
                     args = (args[0], local_shape(out_vals(nd)[0].shape, s.outs[0], n, rank)) + tuple(args[2:])
                 target = nd.target
+                if target is aten.native_dropout.default and any(is_shard(q) for q in s.ins):
+                    args = (args[0], args[1], args[2] if len(args) > 2 else kwargs.pop("train", None), rank)
+                    target = lambda x, p, train, rank: sharded_dropout(x, p, train, rank)  # noqa: E731
                 if target in (aten.view.default, aten._unsafe_view.default):
                     # the global graph's strides allowed a view; a collective's output may not
                     target = aten.reshape.default

@@ -278,6 +278,13 @@ def _softmax_bwd(node, A, n):
     return _elementwise(node, A, n, blocked_out=[node.args[2]])
 
 
+@rule(aten.native_dropout.default, aten.native_dropout_backward.default)
+def _dropout(node, A, n):
+    """Elementwise, never Partial. On a sharded input each rank draws its own shard's mask
+    (partition._localize gives each rank its own random stream)."""
+    return _elementwise(node, A, n)
+
+
 @rule(aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default)
 def _like(node, A, n):
     res = _dim_map_rule(node, A, n, list(range(_val(node).ndim)), linear=node.target is aten.zeros_like.default)

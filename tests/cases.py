@@ -456,3 +456,22 @@ def dropout_run(p: float) -> dict:
     out["mask_digest"] = hash(mask.numpy().tobytes())
     out["scaled"] = sorted(set(y.tolist()))
     return out
+
+
+def dp_exactness(kind: str, b: int, L: int, dp: int) -> dict:
+    """A dp x sp mesh: each dp replica trains on its slice of the global batch (sequence-parallel
+    within its sp group) and the gradients are averaged over the replicas, as DDP does. Against one
+    device running the same slices: each replica's loss, and the mean of the slices' gradients."""
+    torch.manual_seed(0)
+    model = MODELS[kind]()
+    ref = copy.deepcopy(model)
+    ids, labels = batch(kind, b, L, seed=0)
+    with autosp.mesh(dp=dp) as m:
+        step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager")
+        loss = step(ids, labels)
+        loss.backward()
+        r, sp = m.dp_rank, m.sp_size
+    losses = [ref(i, l) for i, l in zip(ids.tensor_split(dp), labels.tensor_split(dp))]
+    (sum(losses) / dp).backward()
+    return {"loss": (loss.item(), losses[r].item()), "sp": sp,
+            "grad_err": {n: _rel(p.grad, q.grad) for (n, p), q in zip(model.named_parameters(), ref.parameters())}}

@@ -48,6 +48,10 @@ class Mesh:
     def dp_rank(self) -> int:
         return self.device_mesh["dp"].get_local_rank()
 
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.device_mesh["dp"].get_group()
+
 
 def current_mesh() -> Mesh | None:
     return _CURRENT.get()

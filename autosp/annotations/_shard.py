@@ -127,7 +127,7 @@ class _Sharded:
         # a copy per instance keeps their caches apart (else the 9th sharded function would hit
         # the recompile limit and silently run eager, unsharded).
         step.__code__ = step.__code__.replace()
-        if n == 1 and on_plan is None:
+        if n == 1 and m.dp_size == 1 and on_plan is None:
             backend = "inductor" if self.options.compiler == "inductor" else "aot_eager"
         else:
             backend = make_backend(m, self.options, on_plan or self._record)
@@ -137,18 +137,34 @@ class _Sharded:
         m = current_mesh()
         if m is None:
             raise RuntimeError("autosp: call the sharded function inside `with autosp.mesh(sp=N):`")
-        if m.dp_size != 1:
-            raise NotImplementedError("autosp: dp > 1 is not supported yet; use autosp.mesh(sp=world_size)")
         return m
+
+    def _dp_slice(self, m: Mesh, args, kwargs):
+        """Each dp replica takes its slice of the global batch (dim 0 of the sharded inputs)."""
+        dp, r = m.dp_size, m.dp_rank
+
+        def cut(name, value, dim):
+            if value.requires_grad:
+                raise ValueError(f"autosp: input {name!r} requires grad; with dp > 1 only parameters may "
+                                 "(its gradient would be a slice of the batch)")
+            if dim == 0 or value.shape[0] % dp:
+                raise ValueError(f"autosp: input {name!r} has shape {tuple(value.shape)}: its batch dim 0 "
+                                 f"({value.shape[0] if value.ndim else 0}) must divide by dp={dp}, each dp replica "
+                                 "taking an equal slice; pass a global batch that is a multiple of dp")
+            return value.tensor_split(dp)[r]
+
+        return _map_inputs(self.fn, self.seq, args, kwargs, cut)
 
     def __call__(self, *args, **kwargs):
         m = self._mesh()
         _check_inputs(self.fn, self.seq, m.sp_size, args, kwargs)
+        if m.dp_size > 1:
+            args, kwargs = self._dp_slice(m, args, kwargs)
         key = id(m.device_mesh)
         if key not in self._compiled:
             self._compiled[key] = self._step(m)
         out = _unwrap_errors(lambda: self._compiled[key](*args, **kwargs))
-        if m.sp_size > 1 and self.plan is None and torch.is_grad_enabled():
+        if m.sp_size * m.dp_size > 1 and self.plan is None and torch.is_grad_enabled():
             raise RuntimeError("autosp: the step ran without the autosp backend (nothing required grad, or Dynamo fell back to eager); "
                                "the results were computed unsharded")
         return out
@@ -156,6 +172,8 @@ class _Sharded:
     def explain(self, *args, **kwargs):
         m = self._mesh()
         _check_inputs(self.fn, self.seq, m.sp_size, args, kwargs)
+        if m.dp_size > 1:
+            args, kwargs = self._dp_slice(m, args, kwargs)
 
         def capture(plan):
             raise _PlanCaptured(plan)

@@ -131,7 +131,10 @@ def make_backend(mesh, options: Options, on_plan: Callable[[Plan], None] | None 
         if on_plan is not None:
             on_plan(plan)
         t0 = time.perf_counter()
-        local = localize(joint, choice, joint_inputs, n, rank, group, num_fwd_outputs)
+        dp = mesh.dp_size
+        local = localize(joint, choice, joint_inputs, n, rank, group, num_fwd_outputs, dp,
+                         mesh.dp_group.group_name if dp > 1 else None,
+                         torch.distributed.group.WORLD.group_name if dp > 1 else None)
         _debug("localize", local, t0)
         return min_cut_rematerialization_partition(local, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
 

@@ -51,7 +51,10 @@ def _bucketed_all_reduce(tensors: list[torch.Tensor], group) -> list[torch.Tenso
 
 
 def localize(joint: fx.GraphModule, choice: Choice, joint_inputs, n: int, rank: int, group,
-             num_fwd_outputs: int = 0) -> fx.GraphModule:
+             num_fwd_outputs: int = 0, dp: int = 1, dp_group=None, world_group=None) -> fx.GraphModule:
+    """The per-rank joint graph. With ``dp > 1`` (each dp replica ran its own slice of the batch)
+    the gradients are also averaged over the dp replicas, as DDP does: a gradient that is partial
+    over sp is summed over sp and dp in one all-reduce on ``world_group``, then divided by dp."""
     graph = joint.graph
     placeholders = [nd for nd in graph.nodes if nd.op == "placeholder"]
     plan = choice.strategy
@@ -102,8 +105,15 @@ def localize(joint: fx.GraphModule, choice: Choice, joint_inputs, n: int, rank: 
             elif nd.op == "output":
                 grads = list(nd.args[0])[num_fwd_outputs:]  # forward outputs stay apart
                 partial = [a for a in grads if isinstance(a, fx.Node) and plan[a].outs[0] == P]
-                reduced = _bucketed_all_reduce([env[a] for a in partial], group)
-                done = dict(zip(partial, reduced))
+                if dp == 1:
+                    done = dict(zip(partial, _bucketed_all_reduce([env[a] for a in partial], group)))
+                else:
+                    rest = [a for a in grads if isinstance(a, fx.Node) and a not in partial
+                            and isinstance(out_vals(a)[0], torch.Tensor) and out_vals(a)[0].is_floating_point()]
+                    summed = _bucketed_all_reduce([env[a] for a in partial], world_group) + _bucketed_all_reduce(
+                        [redistribute(env[a], plan[a].outs[0], R, n, rank, group, out_vals(a)[0].shape) for a in rest],
+                        dp_group)
+                    done = {a: t / dp for a, t in zip(partial + rest, summed)}
 
                 def out(a):
                     if isinstance(a, fx.Node):

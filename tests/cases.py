@@ -213,6 +213,27 @@ def annotated_exactness() -> tuple[float, float, list]:
     return loss.item(), ref.item(), [(c.kind, c.source) for c in sharded.plan.collectives if c.kind == "all_gather"]
 
 
+def _hf_compare(model, ref, ids: torch.Tensor, labels: torch.Tensor, **kwargs) -> dict:
+    """Train one step of an HF causal LM through autosp and the same on one device; the loss pair,
+    each gradient's relative error, and the plan's collective kinds. A gradient that is zero in
+    exact arithmetic (an attention key bias: softmax ignores a shift of every score in a row) is
+    roundoff on both sides; its error is measured against 1e-4 of the model's largest gradient."""
+    def call(m, input_ids, labels, **kw):
+        return m(input_ids=input_ids, labels=labels, **kw).loss
+
+    with autosp.mesh():
+        step = autosp.shard(lambda input_ids, labels, **kw: call(model, input_ids, labels, **kw), compiler="aot_eager")
+        loss = step(ids, labels, **kwargs)
+        loss.backward()
+        kinds = sorted({c.kind for c in step.plan.collectives})
+    loss_ref = call(ref, ids, labels, **kwargs)
+    loss_ref.backward()
+    pairs = [(n, p.grad, q.grad) for (n, p), q in zip(model.named_parameters(), ref.parameters()) if q.grad is not None]
+    floor = 1e-4 * max(g.abs().max().item() for _, _, g in pairs)
+    grad_err = {n: ((a - b).abs().max() / max(b.abs().max().item(), floor)).item() for n, a, b in pairs}
+    return {"loss": (loss.item(), loss_ref.item()), "grad_err": grad_err, "kinds": kinds}
+
+
 def hf_exactness(arch: str, attn: str, b: int, L: int) -> dict:
     """A Hugging Face causal LM, unmodified, with the loss it computes from ``labels``."""
     import hf_models
@@ -222,21 +243,7 @@ def hf_exactness(arch: str, attn: str, b: int, L: int) -> dict:
     ids = torch.randint(0, 128, (b, L), generator=g)
     labels = ids.clone()
     labels[:, : L // 4] = -100
-    with autosp.mesh():
-        step = autosp.shard(lambda input_ids, labels: model(input_ids=input_ids, labels=labels).loss, compiler="aot_eager")
-        loss = step(ids, labels)
-        loss.backward()
-        kinds = sorted({c.kind for c in step.plan.collectives})
-    loss_ref = ref(input_ids=ids, labels=labels).loss
-    loss_ref.backward()
-    pairs = [(n, p.grad, q.grad) for (n, p), q in zip(model.named_parameters(), ref.parameters()) if q.grad is not None]
-    # A gradient that is zero in exact arithmetic (an attention key bias: softmax ignores a
-    # shift of every score in a row) is roundoff on both sides; its error is measured against
-    # 1e-4 of the model's largest gradient element instead of its own noise.
-    floor = 1e-4 * max(g.abs().max().item() for _, _, g in pairs)
-    grad_err = {n: ((a - b).abs().max() / max(b.abs().max().item(), floor)).item() for n, a, b in pairs}
-    return {"loss": (loss.item(), loss_ref.item()), "grad_err": grad_err, "kinds": kinds}
-
+    return _hf_compare(model, ref, ids, labels)
 
 
 def _token_losses(logits, targets):
@@ -366,22 +373,7 @@ def hf_masked_exactness(arch: str, attn: str, kind: str, b: int, L: int) -> dict
         labels[:, starts] = -100  # no prediction across a document boundary
     else:
         raise ValueError(kind)
-    names = ["input_ids", "labels", *kwargs]
-
-    def call(m, input_ids, labels, **kw):
-        return m(input_ids=input_ids, labels=labels, **kw).loss
-
-    with autosp.mesh():
-        step = autosp.shard(lambda input_ids, labels, **kw: call(model, input_ids, labels, **kw), compiler="aot_eager")
-        loss = step(ids, labels, **kwargs)
-        loss.backward()
-        kinds = sorted({c.kind for c in step.plan.collectives})
-    loss_ref = call(ref, ids, labels, **kwargs)
-    loss_ref.backward()
-    pairs = [(n, p.grad, q.grad) for (n, p), q in zip(model.named_parameters(), ref.parameters()) if q.grad is not None]
-    floor = 1e-4 * max(gr.abs().max().item() for _, _, gr in pairs)
-    grad_err = {n: ((a - c).abs().max() / max(c.abs().max().item(), floor)).item() for n, a, c in pairs}
-    return {"loss": (loss.item(), loss_ref.item()), "grad_err": grad_err, "kinds": kinds, "names": names}
+    return _hf_compare(model, ref, ids, labels, **kwargs)
 
 
 def random_hf_exactness(cfg: dict) -> dict:
@@ -405,21 +397,7 @@ def random_hf_exactness(cfg: dict) -> dict:
         if pad:
             mask[row, L - pad:] = 0
             labels[row, L - pad:] = -100
-    kw = {"attention_mask": mask} if cfg["pad"] else {}
-
-    def call(m, input_ids, labels, **k):
-        return m(input_ids=input_ids, labels=labels, **k).loss
-
-    with autosp.mesh():
-        step = autosp.shard(lambda input_ids, labels, **k: call(model, input_ids, labels, **k), compiler="aot_eager")
-        loss = step(ids, labels, **kw)
-        loss.backward()
-    loss_ref = call(ref, ids, labels, **kw)
-    loss_ref.backward()
-    pairs = [(n, p.grad, q.grad) for (n, p), q in zip(model.named_parameters(), ref.parameters()) if q.grad is not None]
-    floor = 1e-4 * max(gr.abs().max().item() for _, _, gr in pairs)
-    grad_err = {n: ((a - r).abs().max() / max(r.abs().max().item(), floor)).item() for n, a, r in pairs}
-    return {"loss": (loss.item(), loss_ref.item()), "grad_err": grad_err}
+    return _hf_compare(model, ref, ids, labels, **({"attention_mask": mask} if cfg["pad"] else {}))
 
 
 def dropout_run(p: float) -> dict:

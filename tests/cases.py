@@ -234,10 +234,10 @@ def _hf_compare(model, ref, ids: torch.Tensor, labels: torch.Tensor, **kwargs) -
     return {"loss": (loss.item(), loss_ref.item()), "grad_err": grad_err, "kinds": kinds}
 
 
-def hf_exactness(arch: str, attn: str, b: int, L: int) -> dict:
+def hf_exactness(arch: str, attn: str, b: int, L: int, generic: bool = False) -> dict:
     """A Hugging Face causal LM, unmodified, with the loss it computes from ``labels``."""
     import hf_models
-    model = hf_models.build(arch, attn)
+    model = (hf_models.build_generic if generic else hf_models.build)(arch, attn)
     ref = copy.deepcopy(model)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 128, (b, L), generator=g)

@@ -38,3 +38,34 @@ def build(arch: str, attn: str):
     model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
     model.loss_type = "ForCausalLM"  # some configs carry none, and HF's warning about it breaks the graph
     return model
+
+
+# More architectures, from their default configs shrunk to tiny sizes (attributes a config lacks
+# are skipped): (model type, attention implementation; "eager" where HF has no SDPA path).
+MORE = [("stablelm", "sdpa"), ("starcoder2", "sdpa"), ("olmo2", "sdpa"), ("granite", "sdpa"),
+        ("gemma3_text", "sdpa"), ("cohere", "sdpa"), ("phi3", "sdpa"), ("glm", "sdpa"), ("gptj", "sdpa"),
+        ("codegen", "eager"), ("gemma2", "eager"), ("bloom", "eager"), ("falcon", "eager")]
+_TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+             vocab_size=128, head_dim=16, max_position_embeddings=256, n_positions=256, n_ctx=256, rotary_dim=8,
+             pad_token_id=0, use_cache=False, tie_word_embeddings=False)
+
+
+def build_generic(model_type: str, attn: str):
+    import torch
+    import transformers as T
+    cfg = T.CONFIG_MAPPING[model_type]()
+    for k, v in _TINY.items():
+        try:
+            setattr(cfg, k, v)
+        except (AttributeError, ValueError, TypeError):
+            pass
+    for k in dir(cfg):
+        if "dropout" in k or k.endswith("pdrop"):
+            try:
+                setattr(cfg, k, 0.0)
+            except (AttributeError, ValueError, TypeError):
+                pass
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
+    model.loss_type = "ForCausalLM"
+    return model

@@ -3,6 +3,7 @@ hand-written Ulysses' collectives only. Status of each architecture: all listed 
 import pytest
 
 import cases
+import hf_models
 
 transformers = pytest.importorskip("transformers")
 
@@ -18,6 +19,16 @@ def test_hf_model_loss_and_grads_match_single_device(pools, arch, attn):
         worst = max(r["grad_err"].items(), key=lambda kv: kv[1])
         assert worst[1] <= 1e-5, worst
         assert r["kinds"] == ["all_reduce", "all_to_all"], r["kinds"]
+
+
+@pytest.mark.parametrize("arch,attn", hf_models.MORE)
+def test_more_hf_architectures_with_an_uneven_sequence(pools, arch, attn):
+    """Thirteen more architectures (partial rotary, parallel blocks, ALiBi, multi-query, logit
+    soft-capping, interleaved rotary, ...), 61 tokens over 2 ranks: exact."""
+    for r in pools(2).run(cases.hf_exactness, arch, attn, 1, 61, True):
+        loss, ref = r["loss"]
+        assert abs(loss - ref) <= 1e-5 * abs(ref)
+        assert max(r["grad_err"].values()) <= 1e-5
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "gpt2", "gemma"])

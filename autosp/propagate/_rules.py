@@ -524,7 +524,9 @@ def _cat(node, A, n):
     nonempty = [j for j, v in enumerate(vals) if v.numel() > 0]
     if len(nonempty) == 1:  # e.g. a KV cache's first update: cat([empty, x]) is x, any dim
         j = nonempty[0]
-        return [Strategy((p,), tuple(p if x == j else R for x in range(k)))
+        # the empty inputs take the same placement (a free slice of nothing), so that their other
+        # dims match x's local ones (partial rotary: cat([rotated, pass_through[..., :0]], -1))
+        return [Strategy((p,), tuple(p if vals[x].ndim == out.ndim else R for x in range(k)))
                 for p in [R] + sorted((q for q in A[j] if q != R), key=str)
                 if vals[j].ndim == out.ndim]
     res = [Strategy((R,), tuple(R for _ in range(k)))]
@@ -535,6 +537,37 @@ def _cat(node, A, n):
             if d != dim:
                 p = shard(d, sf)
                 res.append(Strategy((p,), tuple(p for _ in range(k))))
+    return _dedup(res)
+
+
+@rule(aten.stack.default)
+def _stack(node, A, n):
+    """stack inserts a new dim: a shard of the inputs' dim d is the output's d (d < dim) or d + 1."""
+    out = _val(node)
+    dim = (node.args[1] if len(node.args) > 1 else 0) % out.ndim
+    k = len(tensor_inputs(node))
+    res = [Strategy((R,), tuple(R for _ in range(k)))]
+    if all(P in a for a in A):
+        res.append(Strategy((P,), tuple(P for _ in range(k))))
+    for a in A:
+        for d, sf in _shards(a):
+            res.append(Strategy((shard(d if d < dim else d + 1, sf),), tuple(shard(d, sf) for _ in range(k))))
+    return _dedup(res)
+
+
+@rule(aten.copy.default)
+def _copy(node, A, n):
+    """copy(dst, src): src's values in dst's shape (functionalized in-place ops, e.g. ``x /= c``);
+    dst's values are overwritten, so it only has to be laid out like the result."""
+    dst, src = _val(node.args[0]), _val(node.args[1])
+    res = [Strategy((R,), (R, R))]
+    if dst.shape != src.shape:
+        return res
+    for d, sf in _shards(A[1]):
+        p = shard(d, sf)
+        res.append(Strategy((p,), (p, p)))
+    if P in A[1]:
+        res.append(Strategy((P,), (R, P)))
     return _dedup(res)
 
 
@@ -649,9 +682,14 @@ _SEQ_PROVENANCE = {
 @rule(aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default,
       aten.zeros.default, aten.ones.default, aten.empty.memory_format, aten.scalar_tensor.default,
       aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default,
-      aten.empty_strided.default, aten.lift_fresh.default)
+      aten.empty_strided.default, aten.lift_fresh.default, aten.new_empty_strided.default)
 def _factory(node, A, n):
-    return [Strategy((R,), tuple(R for _ in tensor_inputs(node)))]
+    """A factory's tensor argument (``x.new_zeros(size)``) gives only dtype and device: it stays
+    wherever it is, never gathered for this."""
+    ins = tensor_inputs(node)
+    if len(ins) == 1 and node.target is not aten.lift_fresh.default:
+        return [Strategy((R,), (p,)) for p in sorted(A[0], key=str)]
+    return [Strategy((R,), tuple(R for _ in ins))]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -44,7 +44,9 @@ def build(arch: str, attn: str):
 # are skipped): (model type, attention implementation; "eager" where HF has no SDPA path).
 MORE = [("stablelm", "sdpa"), ("starcoder2", "sdpa"), ("olmo2", "sdpa"), ("granite", "sdpa"),
         ("gemma3_text", "sdpa"), ("cohere", "sdpa"), ("phi3", "sdpa"), ("glm", "sdpa"), ("gptj", "sdpa"),
-        ("codegen", "eager"), ("gemma2", "eager"), ("bloom", "eager"), ("falcon", "eager")]
+        ("codegen", "eager"), ("gemma2", "eager"), ("bloom", "eager"), ("falcon", "eager"),
+        ("mixtral", "sdpa"), ("olmoe", "sdpa"), ("gpt_bigcode", "sdpa"), ("persimmon", "sdpa"), ("nemotron", "sdpa"),
+        ("qwen2_moe", "sdpa")]
 _TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
              vocab_size=128, head_dim=16, max_position_embeddings=256, n_positions=256, n_ctx=256, rotary_dim=8,
              pad_token_id=0, use_cache=False, tie_word_embeddings=False)

@@ -39,14 +39,15 @@ def test_grouped_query_heads_not_splittable_names_attention_op_and_line(fake_wor
 
 
 def test_op_without_rule_on_sharded_data_names_op_and_line(fake_world):
+    """Large enough that gathering the activation beats computing everything before it whole."""
     fake_world(2)
-    emb = torch.nn.Embedding(16, 8)
+    emb = torch.nn.Embedding(16, 64)
 
     def step(ids):
         return emb(ids).flip(1).sum()  # flip along the sharded sequence: no rule
 
     with pytest.raises(autosp.UnsupportedOpError, match=r"no sharding rule for aten\.flip.*S\(1\).*test_errors\.py:\d+.*flip\(1\).*Fix:"):
-        _explain(step, torch.randint(0, 16, (1, 8)))
+        _explain(step, torch.randint(0, 16, (1, 512)))
 
 
 def test_graph_break_is_an_error_naming_the_line(fake_world):
@@ -60,7 +61,7 @@ def test_graph_break_is_an_error_naming_the_line(fake_world):
         return h.sum()
 
     with pytest.raises(autosp.GraphBreakError, match=r"graph break\) at .*test_errors\.py:\d+.*h\.sum\(\)\.item\(\) > 0.*Fix: rewrite that line"):
-        _explain(step, torch.randint(0, 16, (1, 8)))
+        _explain(step, torch.randint(0, 16, (1, 512)))
 
 
 def test_shard_outside_mesh_is_an_error():

@@ -23,8 +23,8 @@ def test_hf_model_loss_and_grads_match_single_device(pools, arch, attn):
 
 @pytest.mark.parametrize("arch,attn", hf_models.MORE)
 def test_more_hf_architectures_with_an_uneven_sequence(pools, arch, attn):
-    """Thirteen more architectures (partial rotary, parallel blocks, ALiBi, multi-query, logit
-    soft-capping, interleaved rotary, ...), 61 tokens over 2 ranks: exact."""
+    """Nineteen more architectures (partial rotary, parallel blocks, ALiBi, multi-query, logit
+    soft-capping, interleaved rotary, mixture-of-experts, ...), 61 tokens over 2 ranks: exact."""
     for r in pools(2).run(cases.hf_exactness, arch, attn, 1, 61, True):
         loss, ref = r["loss"]
         assert abs(loss - ref) <= 1e-5 * abs(ref)

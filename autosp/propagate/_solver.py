@@ -224,8 +224,11 @@ def solve(gm: fx.GraphModule, c: Candidates, n: int, *, mem_weight: float = 4.0,
                     # replicated from the full inputs, for free; a collective into one on
                     # floating-point data is an error below (an all-gather of activations should
                     # be the user's explicit choice: autosp.annotate(x, "R"))
-                    forbidden = (_NO_RULE_PENALTY if kind and v in c.no_rule
-                                 and not out_vals(u)[i].dtype.is_floating_point else 0.0)
+                    # (float data: a tie-breaker, so that an equally cheap gather one op earlier,
+                    # where a rule exists, wins over one straight into the rule-less op)
+                    forbidden = 0.0
+                    if kind and v in c.no_rule:
+                        forbidden = 2 * latency_bytes if out_vals(u)[i].dtype.is_floating_point else _NO_RULE_PENALTY
                     cost.append(transfer_bytes(kind, size, n) + latency + forbidden)
                     edge_info.append((v, j, u, p, q, kind))
             for p in P_u:

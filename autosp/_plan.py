@@ -7,7 +7,7 @@ import torch
 import torch.fx as fx
 
 from .errors import source_line
-from .propagate._placement import nbytes, redistribute_kind, transfer_bytes
+from .propagate._placement import R, chunks, nbytes, redistribute_kind, shard_spec, transfer_bytes
 from .propagate._rules import out_vals, tensor_inputs
 from .propagate._solver import Choice
 
@@ -71,7 +71,6 @@ def build_plan(joint: fx.GraphModule, choice: Choice, n: int) -> Plan:
     out_node = joint.graph.output_node()
     consumers = [(nd, tensor_inputs(nd), plan[nd].ins) for nd in joint.graph.nodes if nd in plan]
     leaves = [a for a in torch.utils._pytree.tree_leaves(out_node.args) if isinstance(a, fx.Node)]
-    from .propagate._placement import R
     consumers.append((out_node, [(a, 0) for a in leaves], tuple(R for _ in leaves)))
     for nd, ins, reqs in consumers:
         for (u, i), q in zip(ins, reqs):
@@ -90,7 +89,6 @@ def build_plan(joint: fx.GraphModule, choice: Choice, n: int) -> Plan:
 
 def _attention_notes(joint: fx.GraphModule, plan, n: int) -> list[str]:
     """Say how each attention op runs when it is not plain Ulysses (heads split evenly)."""
-    from .propagate._placement import chunks, shard_spec
     notes = []
     for nd in joint.graph.nodes:
         if nd.op != "call_function" or "scaled_dot_product" not in str(nd.target) or "backward" in str(nd.target):

@@ -147,10 +147,13 @@ class _Sharded:
             if value.requires_grad:
                 raise ValueError(f"autosp: input {name!r} requires grad; with dp > 1 only parameters may "
                                  "(its gradient would be a slice of the batch)")
-            if dim == 0 or value.shape[0] % dp:
+            if dim == 0:
+                raise ValueError(f"autosp: input {name!r} has its sequence on dim 0; with dp > 1 dim 0 is the "
+                                 "batch that the dp replicas split: put the sequence on dim 1 (or another dim)")
+            if value.shape[0] % dp:
                 raise ValueError(f"autosp: input {name!r} has shape {tuple(value.shape)}: its batch dim 0 "
-                                 f"({value.shape[0] if value.ndim else 0}) must divide by dp={dp}, each dp replica "
-                                 "taking an equal slice; pass a global batch that is a multiple of dp")
+                                 f"({value.shape[0]}) must divide by dp={dp}, each dp replica taking an equal "
+                                 "slice; pass a global batch that is a multiple of dp")
             return value.tensor_split(dp)[r]
 
         return _map_inputs(self.fn, self.seq, args, kwargs, cut)

@@ -10,6 +10,7 @@ with split sizes; even ones take the reshape-only paths.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import torch
@@ -26,7 +27,11 @@ def _split(shape: list[int], d: int, parts: list[int]) -> list[int]:
 
 
 def _offsets(cs: list[int]) -> list[int]:
-    return [sum(cs[:j]) for j in range(len(cs))]
+    return [0, *itertools.accumulate(cs[:-1])]
+
+
+def _even(cs: list[int]) -> bool:
+    return len(set(cs)) == 1
 
 
 def _slice(x: torch.Tensor, d: int, sf: int, n: int, rank: int) -> torch.Tensor:
@@ -55,7 +60,7 @@ def _gather(x: torch.Tensor, d: int, sf: int, n: int, group, block: int) -> torc
     y = _pad_to(y, d + 1, cs[0]).contiguous()
     y = funcol.all_gather_tensor(y, 0, group)  # ranks stacked on dim 0
     y = y.reshape([n] + _split(shape, d, [sf, cs[0]]))
-    if all(cj == cs[0] for cj in cs):
+    if _even(cs):
         y = y.movedim(0, d + 1)  # (..., sf, n, c, ...)
     else:
         y = torch.cat([y[j].narrow(d + 1, 0, cj) for j, cj in enumerate(cs)], dim=d + 1)
@@ -67,7 +72,7 @@ def _reduce_scatter(x: torch.Tensor, d: int, sf: int, n: int, rank: int, group) 
     block = shape[d] // sf
     cs = chunks(block, n)
     y = x.reshape(_split(shape, d, [sf, block]))
-    if all(cj == cs[0] for cj in cs):
+    if _even(cs):
         y = y.reshape(_split(shape, d, [sf, n, cs[0]])).movedim(d + 1, 0).contiguous()
     else:
         y = torch.stack([_pad_to(p, d + 1, cs[0]) for p in y.split(cs, dim=d + 1)]).contiguous()
@@ -83,7 +88,7 @@ def _all_to_all(x: torch.Tensor, a: int, sfa: int, b: int, sfb: int, n: int, ran
     shape = list(x.shape)
     block_b = shape[b] // sfb
     ca, cb = chunks(block_a, n), chunks(block_b, n)
-    if len(set(ca)) == 1 and len(set(cb)) == 1:
+    if _even(ca) and _even(cb):
         y = x.reshape(_split(shape, b, [sfb, n, cb[0]])).movedim(b + 1, 0).contiguous()
         y = funcol.all_to_all_single(y, None, None, group)
         mid = _split(shape, b, [sfb * cb[0]])

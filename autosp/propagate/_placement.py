@@ -45,13 +45,14 @@ def is_shard(p: Placement) -> bool:
     return shard_spec(p) is not None
 
 
-def can_shard(size: int, sf: int, n: int) -> bool:
-    """A dim of ``size`` splits exactly into ``sf`` blocks, each evenly over ``n`` ranks."""
-    return size > 0 and size % (sf * n) == 0
-
-
 def is_even(size: int, sf: int, n: int) -> bool:
+    """Each of the ``sf`` blocks of a dim of ``size`` splits evenly over ``n`` ranks."""
     return size % (sf * n) == 0
+
+
+def can_shard(size: int, sf: int, n: int) -> bool:
+    """A non-empty dim of ``size`` splits into ``sf`` blocks, each evenly over ``n`` ranks."""
+    return size > 0 and is_even(size, sf, n)
 
 
 def chunks(block: int, n: int) -> list[int]:

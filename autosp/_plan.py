@@ -7,6 +7,8 @@ import torch
 import torch.fx as fx
 
 from .errors import source_line
+from .partition._checkpoint import Checkpoint
+from .partition._memory import MemoryEstimate
 from .propagate._placement import R, chunks, nbytes, redistribute_kind, shard_spec, transfer_bytes
 from .propagate._rules import out_vals, tensor_inputs
 from .propagate._solver import Choice
@@ -38,6 +40,8 @@ class Plan:
     collectives: tuple[Collective, ...]
     mem_bytes: float
     notes: tuple[str, ...] = ()  # choices worth knowing: uneven splits, attention not run as Ulysses
+    memory: MemoryEstimate | None = None  # predicted per rank, from the partitioned graphs
+    checkpoint: Checkpoint | None = None
 
     @property
     def comm_bytes(self) -> float:
@@ -56,7 +60,8 @@ class Plan:
                          f"{c.bytes_per_rank / 2**20:.4f}", c.op, c.source))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
         lines = ["  ".join(r[i].ljust(widths[i]) for i in range(len(widths))) + "  " + r[-1] for r in rows]
-        return "\n".join([head] + lines + [f"note: {x}" for x in self.notes])
+        tail = [str(x) for x in (self.memory, self.checkpoint) if x is not None]
+        return "\n".join([head] + lines + [f"note: {x}" for x in self.notes] + tail)
 
 
 def build_plan(joint: fx.GraphModule, choice: Choice, n: int) -> Plan:

@@ -11,6 +11,7 @@ from torch.distributed.tensor import Shard
 
 from ..backend._backend import Options, make_backend
 from ..errors import PlanError
+from ..partition._checkpoint import check_policy
 from ._mesh import Mesh, current_mesh
 from ._spec import annotate
 
@@ -192,19 +193,24 @@ class _Sharded:
 
 
 def shard(fn: Callable | nn.Module | None = None, *, seq: SeqSpec = True, compiler: str = "inductor",
-          mem_weight: float = 4.0):
+          mem_weight: float = 4.0, checkpoint: str | int = "auto"):
     """Run ``fn`` (a training step returning a loss, or an ``nn.Module``) sequence-parallel on the
     current ``autosp.mesh``.
 
     seq: which inputs are sharded along their sequence dim: True (dim 1 of every tensor argument
         with ndim >= 2), an argument name or list of names (dim 1), or a mapping name -> dim.
+    checkpoint: activation checkpointing: "auto" (the least memory for at most 5% more compute),
+        "none", "full" (whole layers recomputed, as per-layer ``torch.utils.checkpoint``), or a
+        budget in bytes per rank for the step's peak beyond parameters and optimizer state (the
+        fastest plan predicted to fit; an error naming the smallest budget when none does).
     Called with full, global tensors (identical on the ranks of an sp group); returns what one
     device would: the global loss on every rank, and after ``backward()`` every parameter's
     ``.grad`` is the single-device gradient on every rank.
     """
-    options = Options(compiler=compiler, mem_weight=mem_weight)
+    check_policy(checkpoint)
+    options = Options(compiler=compiler, mem_weight=mem_weight, checkpoint=checkpoint)
     if fn is None:
-        return functools.partial(shard, seq=seq, compiler=compiler, mem_weight=mem_weight)
+        return functools.partial(shard, seq=seq, compiler=compiler, mem_weight=mem_weight, checkpoint=checkpoint)
     if isinstance(fn, nn.Module):
         fn.forward = _Sharded(fn.forward, seq, options)
         return fn

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import math
@@ -15,12 +16,12 @@ import torch.fx as fx
 from torch._decomp import get_decompositions
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
-from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .._plan import Plan, build_plan
 from ..errors import PlanError
+from ..partition._checkpoint import checkpoint_partition
 from ..partition._localize import localize
 from ..propagate._solver import propagate, solve
 
@@ -38,10 +39,14 @@ class Options:
         compiles, for tests), e.g. ``compiler="aot_eager"``.
     mem_weight: weight of a byte left on a rank against a byte sent, in the plan's objective,
         e.g. ``mem_weight=4.0``.
+    checkpoint: activation checkpointing, "auto" (default), "none", "full", or a budget in bytes
+        per rank for the step's peak beyond parameters and optimizer state, e.g.
+        ``checkpoint=8 * 2**30``.
     """
 
     compiler: str = "inductor"
     mem_weight: float = 4.0
+    checkpoint: str | int = "auto"
 
 
 def _mean(x, dim=None, keepdim=False, *, dtype=None):
@@ -128,15 +133,19 @@ def make_backend(mesh, options: Options, on_plan: Callable[[Plan], None] | None 
         plan = build_plan(joint, choice, n)
         _check_same_plan(plan, mesh)
         _debug("solve", joint, t0)
-        if on_plan is not None:
-            on_plan(plan)
         t0 = time.perf_counter()
         dp = mesh.dp_size
         local = localize(joint, choice, joint_inputs, n, rank, group, num_fwd_outputs, dp,
                          mesh.dp_group.group_name if dp > 1 else None,
                          torch.distributed.group.WORLD.group_name if dp > 1 else None)
         _debug("localize", local, t0)
-        return min_cut_rematerialization_partition(local, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        t0 = time.perf_counter()
+        fw, bw, ckpt = checkpoint_partition(local, joint_inputs, options.checkpoint, num_fwd_outputs=num_fwd_outputs,
+                                            **kwargs)
+        _debug("checkpoint (backward graph)", bw, t0)
+        if on_plan is not None:
+            on_plan(dataclasses.replace(plan, memory=ckpt.memory, checkpoint=ckpt))
+        return fw, bw
 
     compile_fn = _compiler(options.compiler)
     return aot_autograd(fw_compiler=compile_fn, bw_compiler=compile_fn, partition_fn=partition,

@@ -61,66 +61,74 @@ def localize(joint: fx.GraphModule, choice: Choice, joint_inputs, n: int, rank: 
 
     def run(primals, tangents):
         env: dict[fx.Node, object] = dict(zip(placeholders, list(primals) + list(tangents)))
+        for nd in graph.nodes:
+            with fx.traceback.set_current_meta(nd):
+                result = step(nd, env)
+            if nd.op == "output":
+                return result
 
+    def step(nd: fx.Node, env: dict[fx.Node, object]):
         def value(u: fx.Node, i: int):
             v = env[u]
             return v[i] if u.target is not operator.getitem and isinstance(v, (tuple, list)) else v
 
-        for nd in graph.nodes:
-            if nd.op == "get_attr":
-                env[nd] = getattr(joint, nd.target)
-            elif nd.op == "call_function":
-                s = plan[nd]
-                ins = tensor_inputs(nd)
-                local = [redistribute(value(u, i), plan[u].outs[i], q, n, rank, group, out_vals(u)[i].shape)
-                         for (u, i), q in zip(ins, s.ins)]
-                if nd.target is operator.getitem or nd.target is torch.ops.autosp.annotate.default:
-                    env[nd] = local[0]
-                    continue
-                it = iter(local)
+        if nd.op == "get_attr":
+            env[nd] = getattr(joint, nd.target)
+        elif nd.op == "call_function":
+            s = plan[nd]
+            ins = tensor_inputs(nd)
+            local = [redistribute(value(u, i), plan[u].outs[i], q, n, rank, group, out_vals(u)[i].shape)
+                     for (u, i), q in zip(ins, s.ins)]
+            if nd.target is operator.getitem or nd.target is torch.ops.autosp.annotate.default:
+                env[nd] = local[0]
+                return None
+            it = iter(local)
 
-                def sub(a):
-                    if isinstance(a, fx.Node):
-                        return next(it) if isinstance(a.meta.get("val"), torch.Tensor) else env[a]
-                    return a
+            def sub(a):
+                if isinstance(a, fx.Node):
+                    return next(it) if isinstance(a.meta.get("val"), torch.Tensor) else env[a]
+                return a
 
-                args = tree_map(sub, nd.args)
-                kwargs = tree_map(sub, nd.kwargs)
-                if nd.target in _SHAPE_ARG:
-                    args = (args[0], local_shape(out_vals(nd)[0].shape, s.outs[0], n, rank)) + tuple(args[2:])
-                target = nd.target
-                if target is aten.native_dropout.default and any(is_shard(q) for q in s.ins):
-                    args = (args[0], args[1], args[2] if len(args) > 2 else kwargs.pop("train", None), rank)
-                    target = lambda x, p, train, rank: sharded_dropout(x, p, train, rank)  # noqa: E731
-                if target in (aten.view.default, aten._unsafe_view.default):
-                    # the global graph's strides allowed a view; a collective's output may not
-                    target = aten.reshape.default
-                try:
-                    env[nd] = target(*args, **kwargs)
-                except Exception as e:
-                    shapes = [tuple(t.shape) for t in local]
-                    raise PlanError(nd, f"the per-rank op failed ({type(e).__name__}: {e}) with local input shapes "
-                                    f"{shapes}, input placements {[str(q) for q in s.ins]}, output {[str(o) for o in s.outs]}",
-                                    "this is an autosp bug in the op's sharding rule; please report it with this message") from e
-            elif nd.op == "output":
-                grads = list(nd.args[0])[num_fwd_outputs:]  # forward outputs stay apart
-                partial = [a for a in grads if isinstance(a, fx.Node) and plan[a].outs[0] == P]
-                if dp == 1:
-                    done = dict(zip(partial, _bucketed_all_reduce([env[a] for a in partial], group)))
-                else:
-                    rest = [a for a in grads if isinstance(a, fx.Node) and a not in partial
-                            and isinstance(out_vals(a)[0], torch.Tensor) and out_vals(a)[0].is_floating_point()]
-                    summed = _bucketed_all_reduce([env[a] for a in partial], world_group) + _bucketed_all_reduce(
-                        [redistribute(env[a], plan[a].outs[0], R, n, rank, group, out_vals(a)[0].shape) for a in rest],
-                        dp_group)
-                    done = {a: t / dp for a, t in zip(partial + rest, summed)}
+            args = tree_map(sub, nd.args)
+            kwargs = tree_map(sub, nd.kwargs)
+            if nd.target in _SHAPE_ARG:
+                args = (args[0], local_shape(out_vals(nd)[0].shape, s.outs[0], n, rank)) + tuple(args[2:])
+            target = nd.target
+            if target is aten.native_dropout.default and any(is_shard(q) for q in s.ins):
+                args = (args[0], args[1], args[2] if len(args) > 2 else kwargs.pop("train", None), rank)
+                target = lambda x, p, train, rank: sharded_dropout(x, p, train, rank)  # noqa: E731
+            if target in (aten.view.default, aten._unsafe_view.default):
+                # the global graph's strides allowed a view; a collective's output may not
+                target = aten.reshape.default
+            try:
+                env[nd] = target(*args, **kwargs)
+            except Exception as e:
+                shapes = [tuple(t.shape) for t in local]
+                raise PlanError(nd, f"the per-rank op failed ({type(e).__name__}: {e}) with local input shapes "
+                                f"{shapes}, input placements {[str(q) for q in s.ins]}, output {[str(o) for o in s.outs]}",
+                                "this is an autosp bug in the op's sharding rule; please report it with this message") from e
+        elif nd.op == "output":
+            grads = list(nd.args[0])[num_fwd_outputs:]  # forward outputs stay apart
+            partial = [a for a in grads if isinstance(a, fx.Node) and plan[a].outs[0] == P]
+            if dp == 1:
+                done = dict(zip(partial, _bucketed_all_reduce([env[a] for a in partial], group)))
+            else:
+                rest = [a for a in grads if isinstance(a, fx.Node) and a not in partial
+                        and isinstance(out_vals(a)[0], torch.Tensor) and out_vals(a)[0].is_floating_point()]
+                summed = _bucketed_all_reduce([env[a] for a in partial], world_group) + _bucketed_all_reduce(
+                    [redistribute(env[a], plan[a].outs[0], R, n, rank, group, out_vals(a)[0].shape) for a in rest],
+                    dp_group)
+                done = {a: t / dp for a, t in zip(partial + rest, summed)}
 
-                def out(a):
-                    if isinstance(a, fx.Node):
-                        return done[a] if a in done else redistribute(env[a], plan[a].outs[0], R, n, rank, group,
-                                                                      out_vals(a)[0].shape)
-                    return a
-                return tree_map(out, nd.args[0])
+            def out(a):
+                if isinstance(a, fx.Node):
+                    return done[a] if a in done else redistribute(env[a], plan[a].outs[0], R, n, rank, group,
+                                                                  out_vals(a)[0].shape)
+                return a
+            return tree_map(out, nd.args[0])
 
     primals, tangents = joint_inputs
-    return make_fx(run)(primals, tangents)
+    # the per-rank nodes keep their global node's meta (module stack, forward/backward tag):
+    # the checkpointing pass reads it
+    with fx.traceback.preserve_node_meta():
+        return make_fx(run)(primals, tangents)

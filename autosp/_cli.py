@@ -1,0 +1,217 @@
+"""``autosp plan``: per-rank memory and communication of a model's training step at real sizes,
+and the longest sequence that fits, planned on this machine without the hardware.
+
+    autosp plan --model llama-3.1-8b --sp 8 --memory 80GiB --dtype bf16 --optimizer adamw --seq 65536
+
+The model is built from its config (a preset name or an HF ``config.json``) with uninitialised
+weights, traced on fake tensors with a fake process group of ``sp`` ranks, and planned by the
+same pipeline as a real run (``autosp.explain``); nothing runs. Layers are identical, so the
+memory and the recompute cost of a step are affine in the layer count: the plan is traced with
+one and with two layers and extrapolated to the model's depth (checked against a full-depth
+trace in the tests). Memory per rank = parameters + gradients + optimizer state + the step's
+activations and temporaries (``checkpoint`` none / auto / full); the maximum sequence length is
+found by bisection on those functions of the sequence length (see ``PlanFit``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["main", "PRESETS", "PlanFit", "trace_plan", "max_sequence"]
+
+# public config.json fields of the models the AutoSP paper reports (no hub access needed)
+_LLAMA = dict(model_type="llama", hidden_act="silu", max_position_embeddings=131072, rms_norm_eps=1e-5,
+              rope_theta=500000.0, tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
+PRESETS = {
+    "llama-3.1-8b": dict(_LLAMA, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
+    "llama-3.2-3b": dict(_LLAMA, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                         num_attention_heads=24, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+    "llama-3.2-1b": dict(_LLAMA, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# optimizer state per parameter byte (AdamW: exp_avg and exp_avg_sq in the parameters' dtype)
+_OPTIMIZER_STATE = {"adamw": 2.0, "adam": 2.0, "sgd": 0.0, "sgd-momentum": 1.0}
+_POLICIES = ("none", "auto", "full")
+
+
+def parse_bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]i?B?|B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"autosp: memory {text!r}; write e.g. 80GiB, 24GB or 1000000")
+    unit = (m.group(2) or "B").upper().rstrip("B").rstrip("I")
+    return int(float(m.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[unit])
+
+
+def load_model_config(name: str) -> dict:
+    if name.lower() in PRESETS:
+        return dict(PRESETS[name.lower()])
+    path = Path(name)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise SystemExit(f"autosp plan: no preset or config file {name!r}; presets: {', '.join(PRESETS)}, or pass an HF "
+                         "config.json (or a directory holding one)")
+    return json.loads(path.read_text())
+
+
+@dataclass(frozen=True, slots=True)
+class Traced:
+    """One policy's plan at one sequence length, at the model's depth."""
+
+    policy: str
+    rung: str
+    activations: int  # step peak beyond parameters and optimizer state (gradients included)
+    comm_bytes: float
+    collectives: int
+    recompute: float  # fraction of the step's estimated cost
+
+
+def _build_meta(cfg: dict, dtype: torch.dtype, layers: int | None = None):
+    import transformers as T
+    fields = {**cfg, **({"num_hidden_layers": layers} if layers else {})}
+    config = T.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        return T.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+
+
+def trace_plan(cfg: dict, *, layers: int, seq: int, batch: int, sp: int, dtype: torch.dtype, policy: str = "auto"):
+    """``autosp.explain`` of one training step of the model cut to ``layers`` layers (policy
+    "auto" evaluates every rung of the checkpointing ladder)."""
+    import autosp
+    # uninitialised CPU storage: tracing reads shapes only, so the pages are never touched
+    model = _build_meta(cfg, dtype, layers).to_empty(device="cpu").train()
+    ids = torch.zeros(batch, seq, dtype=torch.long)
+    step = autosp.shard(lambda input_ids, labels: model(input_ids=input_ids, labels=labels).loss,
+                        compiler="aot_eager", checkpoint=policy)
+    with autosp.mesh(sp=sp):
+        return autosp.explain(step, ids, ids)
+
+
+class PlanFit:
+    """Plans traced at (1 and 2 layers) x (two lengths), as functions of the sequence length at
+    the model's depth. Per rung, memory and the non-attention costs are affine in the layer count
+    and in the sequence length (every tensor of the step is proportional to the tokens per rank;
+    attention runs as a fused kernel without score matrices); attention's cost is quadratic."""
+
+    def __init__(self, cfg: dict, *, sp: int, seqs: tuple[int, int], batch: int, dtype: torch.dtype):
+        self.layers, self.seqs = cfg["num_hidden_layers"], seqs
+        self.plans = {(k, s): trace_plan(cfg, layers=k, seq=s, batch=batch, sp=sp, dtype=dtype)
+                      for k in (1, 2) for s in seqs}
+
+    def _value(self, get, seq: int, quadratic: bool = False) -> float:
+        (s1, s2), L = self.seqs, self.layers
+        at = {s: get(self.plans[(1, s)]) + (get(self.plans[(2, s)]) - get(self.plans[(1, s)])) * (L - 1) for s in (s1, s2)}
+        if quadratic:
+            return at[s1] * (seq / s1) ** 2
+        return at[s1] + (at[s2] - at[s1]) * (seq - s1) / (s2 - s1)
+
+    def rungs(self, seq: int):
+        from .partition._checkpoint import Rung
+        from .partition._memory import MemoryEstimate
+        out = []
+        for i, r in enumerate(self.plans[(1, self.seqs[0])].checkpoint.rungs):
+            rung = lambda p: p.checkpoint.rungs[i]  # noqa: E731
+            mem = MemoryEstimate(*(int(self._value(lambda p, f=f: getattr(rung(p).memory, f), seq))
+                                   for f in ("params", "grads", "saved", "forward_peak", "backward_peak")))
+            attention = self._value(lambda p: rung(p).attention, seq, quadratic=True)
+            step = self._value(lambda p: rung(p).step - rung(p).attention, seq) + attention
+            out.append(Rung(r.name, mem, self._value(lambda p: rung(p).recompute, seq), step, attention))
+        return out
+
+    def at(self, seq: int, policy: str) -> Traced:
+        from .partition._checkpoint import select
+        rung = select(policy, self.rungs(seq))
+        return Traced(policy, rung.name, rung.memory.peak, self._value(lambda p: p.comm_bytes, seq),
+                      round(self._value(lambda p: len(p.collectives), seq)), rung.overhead)
+
+
+def _static_bytes(cfg: dict, dtype: torch.dtype, optimizer: str) -> tuple[int, int]:
+    """(parameter bytes, optimizer state bytes) per rank: every sp rank holds the whole model."""
+    params = sum(p.numel() * p.element_size() for p in _build_meta(cfg, dtype).parameters())
+    return params, int(params * _OPTIMIZER_STATE[optimizer])
+
+
+def max_sequence(fit: PlanFit, policy: str, *, budget: int, static: int, granule: int,
+                 hi: int = 2**24) -> tuple[int, Traced | None]:
+    """The longest multiple of ``granule`` whose step fits ``budget`` bytes per rank, by bisection."""
+    def fits(seq: int) -> Traced | None:
+        t = fit.at(seq, policy)
+        return t if static + t.activations <= budget else None
+
+    if fits(granule) is None:
+        return 0, None
+    lo, high = granule, granule
+    while high < hi and fits(high) is not None:
+        lo, high = high, high * 2
+    while high - lo > granule:
+        mid = (lo + high) // 2 // granule * granule
+        lo, high = (mid, high) if fits(mid) is not None else (lo, mid)
+    return lo, fits(lo)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="autosp", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="memory and communication per rank at real sizes, and the longest sequence that fits")
+    p.add_argument("--model", required=True, help=f"a preset ({', '.join(PRESETS)}) or an HF config.json")
+    p.add_argument("--sp", type=int, required=True)
+    p.add_argument("--memory", type=parse_bytes, default=None, help="memory per device, e.g. 80GiB: also find the "
+                   "longest sequence that fits")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (global) to report")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
+    p.add_argument("--optimizer", default="adamw", choices=sorted(_OPTIMIZER_STATE))
+    p.add_argument("--checkpoint", default=",".join(_POLICIES), help="comma-separated: none, auto, full")
+    args = ap.parse_args(argv)
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    import torch.distributed as dist
+
+    cfg = load_model_config(args.model)
+    dtype = _DTYPES[args.dtype]
+    policies = [x.strip() for x in args.checkpoint.split(",") if x.strip()]
+    bad = [x for x in policies if x not in _POLICIES]
+    if bad:
+        ap.error(f"--checkpoint {bad}: use none, auto, full")
+    if not args.seq and not args.memory:
+        ap.error("pass --seq (report a length) and/or --memory (find the longest sequence that fits)")
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.sp)
+    t0 = time.perf_counter()
+    params, opt = _static_bytes(cfg, dtype, args.optimizer)
+    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    print(f"autosp plan: {args.model}, sp={args.sp}, {args.dtype}, {args.optimizer}, batch {args.batch}: "
+          f"parameters {gib(params)} and optimizer state {gib(opt)} per rank")
+    granule = 256 * args.sp
+    base = args.seq or 16 * granule
+    fit = PlanFit(cfg, sp=args.sp, seqs=(base, 2 * base), batch=args.batch, dtype=dtype)
+    if args.seq:
+        print(f"at {args.seq} tokens ({args.seq // args.sp} per rank):")
+        for policy in policies:
+            t = fit.at(args.seq, policy)
+            print(f"  checkpoint={policy:5s} peak {gib(params + opt + t.activations)} per rank (activations, gradients, "
+                  f"temporaries {gib(t.activations)}), recompute +{t.recompute:.1%} ({t.rung}), {t.collectives} "
+                  f"collectives, {t.comm_bytes / 2**20:.1f} MiB sent per rank per step")
+    if args.memory:
+        print(f"longest sequence that fits {gib(args.memory)} per device (bisection, multiples of {granule}):")
+        for policy in policies:
+            seq, t = max_sequence(fit, policy, budget=args.memory, static=params + opt, granule=granule)
+            if t is None:
+                print(f"  checkpoint={policy:5s} none: parameters and optimizer state alone need {gib(params + opt)}")
+            else:
+                print(f"  checkpoint={policy:5s} {seq} tokens ({seq // args.sp} per rank), peak "
+                      f"{gib(params + opt + t.activations)}, recompute +{t.recompute:.1%} ({t.rung})")
+    print(f"planned in {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

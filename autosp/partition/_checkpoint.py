@@ -1,0 +1,250 @@
+"""Activation checkpointing on the per-rank joint graph: which forward results the backward
+keeps and which it recomputes, decided from a cost model and handed to AOTAutograd's min-cut
+partitioner as ``node.meta["recompute"]`` tags (per-layer regions in ``ac_graph_id``).
+
+The candidates form a ladder. Every forward op inside a repeated block (a layer: a module that
+is an item of a ModuleList) gets a recompute cost per byte it would keep: flops (torch's flop
+counter) plus the bytes it writes times the machine balance. Rung k recomputes the ops whose
+cost per byte is at most the k-th threshold; the last rung, ``full``, recomputes every op of the
+layers, as per-layer ``torch.utils.checkpoint`` does, except three kinds that no rung recomputes:
+attention (its recompute grows with the square of the sequence, its output and log-sum-exp only
+linearly), collectives (the partitioner force-saves them: communication per step never grows)
+and random ops (their draws would differ; the SDPA ops carry torch's random tag for dropout and
+would take the partitioner's RNG-state path).
+Each rung is partitioned and its memory predicted from the resulting graphs; the policy picks
+one:
+
+- ``"none"``: the partitioner's own choice (torch.compile's default);
+- ``"full"``: the last rung;
+- ``"auto"``: the least memory whose recompute costs at most ``AUTO_OVERHEAD`` of the step;
+- an int: a budget in bytes per rank for the step's peak beyond parameters and optimizer
+  state; the cheapest rung that fits, or an error naming the smallest budget that fits.
+"""
+from __future__ import annotations
+
+import math
+import operator
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch._functorch import partitioners
+from torch.utils.checkpoint import CheckpointPolicy
+
+from ..errors import PlanError
+from ._memory import MemoryEstimate, estimate_memory
+
+__all__ = ["Checkpoint", "Rung", "checkpoint_partition", "check_policy", "select"]
+
+# flops a CPU core does in the time it writes one byte of a pointwise op's output: 132.6 GFLOP/s
+# (4096x256 @ 256x768 fp32 matmul) against 7.4 GB/s (4096x768 multiply), one thread, this machine
+MACHINE_BALANCE = 16.0
+# "auto" spends at most this fraction of the step's estimated cost on recomputation
+AUTO_OVERHEAD = 0.05
+RUNGS = 5  # rungs between "none" and "full", at quantiles of the ops' cost per byte
+
+# a module reached by indexing a container: "model.layers.3", "L['self'].model.layers[3]"
+_LAYER = re.compile(r"(?:\.\d+|\[\d+\])$")
+
+
+@dataclass(frozen=True, slots=True)
+class Rung:
+    """One candidate: its predicted memory, and the estimated cost (flop-equivalents) of what its
+    backward recomputes against the cost of the whole step without recomputation."""
+
+    name: str
+    memory: MemoryEstimate
+    recompute: float
+    step: float
+    attention: float = 0.0  # the part of ``step`` spent in attention (quadratic in the sequence)
+
+    @property
+    def overhead(self) -> float:
+        return self.recompute / max(self.step, 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """The checkpointing decision of one compile: the policy asked for, the rung taken, and
+    every rung evaluated."""
+
+    policy: str
+    chosen: str
+    memory: MemoryEstimate
+    rungs: tuple[Rung, ...]
+
+    def __str__(self) -> str:
+        rows = ", ".join(f"{r.name}: {r.memory.peak / 2**20:.1f} MiB, +{r.overhead:.1%}" for r in self.rungs)
+        return f"checkpoint={self.policy}: chose {self.chosen!r} of [{rows}]"
+
+
+def select(policy, rungs: list[Rung]) -> Rung:
+    """The rung ``policy`` takes (see the module docstring)."""
+    if policy == "none":
+        return rungs[0]
+    if policy == "full":
+        return rungs[-1]
+    if policy == "auto":
+        fits = [r for r in rungs if r.overhead <= AUTO_OVERHEAD] or rungs[:1]
+        return min(fits, key=lambda r: (r.memory.peak, r.overhead))
+    fits = [r for r in rungs if r.memory.peak <= policy]
+    if not fits:
+        smallest = min(rungs, key=lambda r: r.memory.peak)
+        raise PlanError(None, f"no checkpointing plan fits checkpoint={policy} bytes per rank: the smallest predicted "
+                        f"peak is {smallest.memory.peak} bytes ({smallest.memory.peak / 2**20:.1f} MiB, rung "
+                        f"{smallest.name!r}; {smallest.memory})",
+                        f"pass checkpoint={smallest.memory.peak} or more, use more sp ranks, or a shorter sequence")
+    return min(fits, key=lambda r: (r.recompute, r.memory.peak))
+
+
+def check_policy(policy) -> None:
+    if isinstance(policy, bool) or not (policy in ("auto", "none", "full") or (isinstance(policy, int) and policy > 0)):
+        raise ValueError(f"autosp: checkpoint={policy!r}; use 'auto', 'none', 'full', or a memory budget in bytes "
+                         "per rank (a positive int)")
+
+
+def _region(nd: fx.Node) -> str | None:
+    """The repeated block (an item of a ModuleList) a forward node belongs to, outermost first."""
+    for fqn, _ in (nd.meta.get("nn_module_stack") or {}).values():
+        if _LAYER.search(fqn):
+            return fqn
+    return None
+
+
+def _nbytes(nd: fx.Node) -> int:
+    v = nd.meta.get("val")
+    vals = v if isinstance(v, (tuple, list)) else [v]
+    return sum(t.numel() * t.element_size() for t in vals if isinstance(t, torch.Tensor))
+
+
+def _attention_flops(nd: fx.Node) -> float:
+    """torch's flop counter has no formula for the CPU attention kernels: 4·B·H·Sq·Sk·D forward
+    (half of it causal), 2.5 times that backward (recomputed scores, four matmuls)."""
+    args = {**dict(zip((a.name for a in nd.target._schema.arguments), nd.args)), **nd.kwargs}
+    q, k = args["query"].meta["val"], args["key"].meta["val"]
+    flops = 4.0 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * q.shape[3]
+    causal = bool(args.get("is_causal", False))
+    return flops * (0.5 if causal else 1.0) * (2.5 if "backward" in nd.target.name() else 1.0)
+
+
+def _cost(nd: fx.Node) -> float:
+    try:
+        flops = float(partitioners.estimate_runtime(nd))
+    except Exception:  # noqa: BLE001 - an op the flop counter cannot run counts as pointwise
+        flops = 1
+    if flops <= 1 and _kind(nd) == "attention":
+        flops = _attention_flops(nd)
+    return flops + MACHINE_BALANCE * _nbytes(nd)
+
+
+def _kind(nd: fx.Node) -> str:
+    """'collective', 'random', 'attention', 'view', 'getitem' or 'compute'."""
+    target = nd.target
+    if target is operator.getitem:
+        return "getitem"
+    if isinstance(target, torch._ops.OpOverload):
+        if target.namespace == "_c10d_functional":
+            return "collective"
+        if "scaled_dot_product" in target.name() or "flash_attention" in target.name():
+            return "attention"
+        if torch.Tag.nondeterministic_seeded in target.tags:
+            return "random"
+        if target.is_view:
+            return "view"
+    return "compute"
+
+
+def _forward_ops(gm: fx.GraphModule) -> dict[fx.Node, str]:
+    """Forward call_function nodes inside repeated blocks -> their region."""
+    out = {}
+    for nd in gm.graph.nodes:
+        if nd.op == "call_function" and nd.meta.get("partitioner_tag") == "is_forward":
+            region = _region(nd)
+            if region is not None:
+                out[nd] = region
+    return out
+
+
+def _tagged_copy(gm: fx.GraphModule, tags: dict[str, CheckpointPolicy], regions: dict[str, int]) -> fx.GraphModule:
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(gm.graph, env)
+    graph.output(out)
+    for old, new in env.items():
+        new.meta = dict(old.meta)
+        new.meta.pop("recompute", None)
+        new.meta.pop("ac_graph_id", None)
+        if old.name in tags:
+            new.meta["recompute"] = tags[old.name]
+            new.meta["ac_graph_id"] = regions[old.name]
+    copy = fx.GraphModule(gm, graph)
+    copy.graph.lint()
+    return copy
+
+
+def _ladder(gm: fx.GraphModule) -> tuple[list[tuple[str, dict[str, CheckpointPolicy]]], dict[str, int], dict[str, float]]:
+    fwd = _forward_ops(gm)
+    region_ids = {r: i for i, r in enumerate(dict.fromkeys(fwd.values()))}
+    regions = {nd.name: region_ids[r] for nd, r in fwd.items()}
+    kinds = {nd: _kind(nd) for nd in fwd}
+    cost = {nd.name: _cost(nd) for nd in fwd if kinds[nd] == "compute"}
+    per_byte = {name: c / max(_nbytes(nd), 1) for nd in fwd for name, c in [(nd.name, cost.get(nd.name))] if c is not None}
+    keep = {nd.name: CheckpointPolicy.MUST_SAVE for nd in fwd if kinds[nd] in ("attention", "random")}
+    views = {nd.name: CheckpointPolicy.PREFER_RECOMPUTE for nd in fwd if kinds[nd] == "view"}
+    getitems = [nd for nd in fwd if kinds[nd] == "getitem"]
+
+    def with_getitems(tags: dict[str, CheckpointPolicy]) -> dict[str, CheckpointPolicy]:
+        # an output of a multi-output op follows the op: a tuple cannot be saved on its own
+        return {**tags, **{nd.name: tags[nd.args[0].name] for nd in getitems if nd.args[0].name in tags}}
+
+    ladder: list[tuple[str, dict[str, CheckpointPolicy]]] = [("none", {})]
+    ratios = sorted({float(f"{r:.2g}") for r in per_byte.values()})
+    thresholds = sorted({ratios[min(len(ratios) - 1, math.ceil(q * len(ratios)) - 1)]
+                         for q in [(k + 1) / RUNGS for k in range(RUNGS)]}) if ratios else []
+    for t in thresholds:
+        tags = {**keep, **views, **{name: CheckpointPolicy.PREFER_RECOMPUTE for name, r in per_byte.items()
+                                    if float(f"{r:.2g}") <= t}}
+        ladder.append((f"recompute <= {t:.3g} flop/B", with_getitems(tags)))
+    full = {**{nd.name: CheckpointPolicy.PREFER_RECOMPUTE for nd in fwd if kinds[nd] in ("compute", "view")}, **keep}
+    if fwd:
+        ladder.append(("full", with_getitems(full)))
+    return ladder, regions, cost
+
+
+def _recompute_cost(fw: fx.GraphModule, bw: fx.GraphModule, cost_of) -> float:
+    fw_names = {nd.name for nd in fw.graph.nodes if nd.op == "call_function"}
+    return sum(cost_of(nd) for nd in bw.graph.nodes if nd.op == "call_function" and nd.name in fw_names)
+
+
+def checkpoint_partition(gm: fx.GraphModule, joint_inputs, policy, *, num_fwd_outputs: int, **kwargs):
+    """Partition the per-rank joint graph under ``policy``: (forward, backward, Checkpoint)."""
+    check_policy(policy)
+
+    def partition(g):
+        fw, bw = partitioners.min_cut_rematerialization_partition(g, joint_inputs, num_fwd_outputs=num_fwd_outputs,
+                                                                 **kwargs)
+        return fw, bw, estimate_memory(fw, bw, num_fwd_outputs)
+
+    ladder, regions, cost = _ladder(gm)
+    if policy in ("none", "full"):
+        ladder = ladder[:1] if policy == "none" else ladder[-1:]
+    step_costs = [(_cost(nd), _kind(nd) == "attention") for nd in gm.graph.nodes
+                  if nd.op == "call_function" and _nbytes(nd)]
+    step_cost = sum(c for c, _ in step_costs)
+    attention_cost = sum(c for c, attn in step_costs if attn)
+    memo: dict[str, float] = {}
+
+    def cost_of(nd: fx.Node) -> float:
+        if nd.name not in memo:
+            memo[nd.name] = cost[nd.name] if nd.name in cost else _cost(nd)
+        return memo[nd.name]
+
+    results = []
+    for name, tags in ladder:
+        fw, bw, mem = partition(_tagged_copy(gm, tags, regions))
+        results.append((Rung(name, mem, _recompute_cost(fw, bw, cost_of), step_cost, attention_cost), fw, bw))
+    rung = select(policy, [r[0] for r in results])
+    _, fw, bw = next(r for r in results if r[0] is rung)
+    return fw, bw, Checkpoint(f"{policy} bytes" if isinstance(policy, int) else policy, rung.name, rung.memory,
+                              tuple(r[0] for r in results))

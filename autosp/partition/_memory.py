@@ -1,0 +1,158 @@
+"""Predicted memory per rank: a liveness walk over the partitioned forward and backward graphs.
+
+Every op's outputs are allocated when it runs and freed after their last use, unless they alias
+an input (views, ``wait_tensor``) or leave the graph. What the forward hands the backward (the
+saved activations) is live from the end of the forward until its last use in the backward, and
+the backward's outputs (parameter gradients) stay. Sizes come from the fake tensors on the
+nodes, so the walk runs on graphs traced at any size without allocating anything. Workspace
+inside an op (a matmul's packing buffers, attention's blocks) is not seen, nor Inductor's
+fusions, which only remove intermediates: the prediction is an upper bound of the graph's own
+tensors at each point of the step.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["MemoryEstimate", "estimate_memory", "graph_peak"]
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryEstimate:
+    """Bytes per rank for one training step. ``peak`` is the step's high-water mark beyond
+    parameters and optimizer state (activations, gradients, temporaries); the other fields say
+    what it is made of."""
+
+    params: int
+    grads: int
+    saved: int
+    forward_peak: int
+    backward_peak: int
+
+    @property
+    def peak(self) -> int:
+        return max(self.forward_peak, self.backward_peak)
+
+    def __str__(self) -> str:
+        mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
+        return (f"predicted peak memory per rank: {mib(self.peak)} beyond parameters ({mib(self.params)}) "
+                f"and optimizer state; saved activations {mib(self.saved)}, gradients {mib(self.grads)}, "
+                f"forward peak {mib(self.forward_peak)}, backward peak {mib(self.backward_peak)}")
+
+
+def _nbytes(v) -> int:
+    if not isinstance(v, torch.Tensor):
+        return 0
+    try:
+        n = v.untyped_storage().nbytes()
+    except (NotImplementedError, RuntimeError):
+        n = v.numel() * v.element_size()
+    return int(n)  # a SymInt after the partitioner's RNG functionalization
+
+
+def _aliased_input(nd: fx.Node) -> fx.Node | None:
+    """The input whose storage this node's output shares, if any."""
+    target = nd.target
+    if target is torch.ops._c10d_functional.wait_tensor.default:
+        return nd.args[0]
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.returns or schema.returns[0].alias_info is None:
+        return None
+    alias_set = schema.returns[0].alias_info.before_set  # empty for a list return: Tensor(a)[]
+    for arg, a in zip(schema.arguments, nd.args):
+        if isinstance(a, fx.Node) and arg.alias_info is not None and (
+                not alias_set or arg.alias_info.before_set & alias_set):
+            return a
+    return None
+
+
+def graph_peak(gm: fx.GraphModule, counted_inputs: set[str], free_inputs: bool = True,
+               at_peak: list | None = None) -> tuple[int, int]:
+    """(peak, live at the end) in bytes for one run of ``gm``: placeholders named in
+    ``counted_inputs`` count from the start and are freed after their last use; other inputs
+    (parameters, the batch) are held by the caller and not counted."""
+    nodes = list(gm.graph.nodes)
+    last_use: dict[fx.Node, int] = {}
+    for i, nd in enumerate(nodes):
+        for a in nd.all_input_nodes:
+            last_use[a] = i
+    out_node = gm.graph.output_node()
+    kept = {a for a in tree_leaves(out_node.args) if isinstance(a, fx.Node)}
+    storage: dict[fx.Node, list[int]] = {}  # node -> ids of the buffers it holds
+    per_output: set[fx.Node] = set()  # multi-output nodes holding one buffer per output
+    size: dict[int, int] = {}
+    refs: dict[int, int] = {}
+    live = peak = 0
+
+    def hold(nd: fx.Node, bufs: list[int]) -> None:
+        storage[nd] = bufs
+        for b in bufs:
+            refs[b] = refs.get(b, 0) + 1
+
+    def release(nd: fx.Node) -> None:
+        nonlocal live
+        for b in storage.pop(nd, []):
+            refs[b] -= 1
+            if refs[b] == 0:
+                live -= size[b]
+
+    owner: dict[int, fx.Node] = {}
+
+    def new(nbytes: int, counted: bool = True) -> int:
+        nonlocal live
+        b = len(size)
+        owner[b] = nd
+        size[b] = nbytes if counted else 0
+        live += size[b]
+        return b
+
+    for i, nd in enumerate(nodes):
+        if nd.op == "placeholder":
+            hold(nd, [new(_nbytes(nd.meta.get("val")), nd.name in counted_inputs)])
+        elif nd.op == "call_function":
+            if nd.target is operator.getitem and nd.args[0] in storage:
+                src = storage[nd.args[0]]
+                hold(nd, [src[nd.args[1]]] if nd.args[0] in per_output else list(src))
+            elif (a := _aliased_input(nd)) is not None and a in storage:
+                hold(nd, list(storage[a]))
+            else:
+                val = nd.meta.get("val")
+                if isinstance(val, (tuple, list)):
+                    per_output.add(nd)
+                    hold(nd, [new(_nbytes(v)) for v in val])
+                else:
+                    hold(nd, [new(_nbytes(val))])
+        elif nd.op == "get_attr":
+            hold(nd, [])
+        if live > peak and at_peak is not None:  # for debugging: what is live at the peak
+            at_peak[:] = [(size[b], owner[b].name, nd.name) for b, r in refs.items() if r > 0 and size[b]]
+        peak = max(peak, live)
+        for a in nd.all_input_nodes:
+            if last_use.get(a) == i and a not in kept and (free_inputs or a.op != "placeholder"):
+                release(a)
+        if nd.op != "output" and not nd.users and nd not in kept:
+            release(nd)
+    return peak, live
+
+
+def estimate_memory(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> MemoryEstimate:
+    """The step's memory per rank from AOTAutograd's partitioned graphs (fake or real values)."""
+    inputs = list(fw.graph.find_nodes(op="placeholder"))
+    primals = {nd.name for nd in inputs}
+    fw_peak, fw_end = graph_peak(fw, set())
+    user_out = tree_leaves(fw.graph.output_node().args)[:num_fwd_outputs]
+    fw_end -= sum(_nbytes(a.meta.get("val")) for a in user_out if isinstance(a, fx.Node))
+    # backward inputs: the saved activations (not parameters or inputs passed through) and the
+    # tangents; its outputs, the gradients, stay
+    saved = {nd.name for nd in bw.graph.find_nodes(op="placeholder") if nd.name not in primals}
+    bw_peak, bw_end = graph_peak(bw, saved, free_inputs=False)
+    bw_end -= sum(_nbytes(nd.meta.get("val")) for nd in bw.graph.find_nodes(op="placeholder") if nd.name in saved)
+    outs = list(bw.graph.output_node().args[0])
+    grads = bw_end  # what stays after the backward: the gradients (buckets counted once)
+    # the inputs that get a gradient (AOTAutograd returns one per input, None where none)
+    params = sum(_nbytes(p.meta.get("val")) for p, a in zip(inputs, outs) if isinstance(a, fx.Node))
+    return MemoryEstimate(params=params, grads=grads, saved=fw_end, forward_peak=fw_peak, backward_peak=bw_peak)

@@ -1,4 +1,5 @@
-"""A pool of gloo worker processes, started once (spawn) and reused by many tests.
+"""A pool of worker processes (gloo on CPU; NCCL with one GPU per rank), started once (spawn) and
+reused by many tests.
 
 ``pool.run(fn, *args)`` runs ``fn(*args)`` on every rank (``fn`` must be importable: a module-level
 function in ``tests/cases.py``) and returns the per-rank results, or raises with every failing
@@ -25,7 +26,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, timeout_s: float, stack_file: str, inq, outq) -> None:
+def _worker(rank: int, world: int, port: int, timeout_s: float, stack_file: str, backend: str, inq, outq) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     import datetime
@@ -36,7 +37,12 @@ def _worker(rank: int, world: int, port: int, timeout_s: float, stack_file: str,
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        # the exactness tests compare fp32 at 1e-5 relative; TF32 (10-bit mantissa) cannot meet that
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
     outq.put((rank, True, "ready"))
     while True:
         item = inq.get()
@@ -51,17 +57,17 @@ def _worker(rank: int, world: int, port: int, timeout_s: float, stack_file: str,
 
 
 class Pool:
-    def __init__(self, world: int, timeout_s: float = 120.0):
+    def __init__(self, world: int, timeout_s: float = 120.0, backend: str = "gloo"):
         ctx = mp.get_context("spawn")
         self.world = world
         self.broken = False
         self.inq = [ctx.Queue() for _ in range(world)]
         self.outq = ctx.Queue()
-        self.stack_dir = tempfile.mkdtemp(prefix=f"autosp-pool{world}-")
+        self.stack_dir = tempfile.mkdtemp(prefix=f"autosp-{backend}{world}-")
         port = _free_port()
         self.procs = [ctx.Process(target=_worker, daemon=True,
                                   args=(r, world, port, timeout_s, os.path.join(self.stack_dir, f"rank{r}.txt"),
-                                        self.inq[r], self.outq))
+                                        backend, self.inq[r], self.outq))
                       for r in range(world)]
         for p in self.procs:
             p.start()

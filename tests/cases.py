@@ -38,11 +38,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def exactness(kind: str, b: int, L: int, steps: int = 3, compiler: str = "aot_eager",
-              dtype: torch.dtype = torch.float32) -> dict:
+              dtype: torch.dtype = torch.float32, device: str = "cpu") -> dict:
     """Loss and grads of the first step, and parameters after ``steps`` AdamW steps, against the
-    same model trained on one device (in this process, on the full batch)."""
+    same model trained on one device (in this process, on the full batch, on ``device``)."""
     torch.manual_seed(0)
-    model = MODELS[kind]().to(dtype)
+    model = MODELS[kind]().to(device, dtype)
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
@@ -50,7 +50,7 @@ def exactness(kind: str, b: int, L: int, steps: int = 3, compiler: str = "aot_ea
     with autosp.mesh():
         step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler=compiler)
         for i in range(steps):
-            ids, labels = batch(kind, b, L, seed=i)
+            ids, labels = (t.to(device) for t in batch(kind, b, L, seed=i))
             loss = step(ids, labels)
             loss.backward()
             loss_ref = ref(ids, labels)

@@ -11,21 +11,31 @@ from _pool import Pool
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="session")
-def pools():
-    """Gloo worker pools by world size, each started once per session, on first use."""
+def _pools(backend: str):
     started: dict[int, Pool] = {}
 
     def get(world: int) -> Pool:
         if world not in started or started[world].broken:
             if world in started:
                 started[world].close()
-            started[world] = Pool(world)
+            started[world] = Pool(world, backend=backend)
         return started[world]
 
     yield get
     for p in started.values():
         p.close()
+
+
+@pytest.fixture(scope="session")
+def pools():
+    """Gloo worker pools by world size, each started once per session, on first use."""
+    yield from _pools("gloo")
+
+
+@pytest.fixture(scope="session")
+def nccl_pools():
+    """NCCL worker pools by world size (rank r on GPU r), each started once per session, on first use."""
+    yield from _pools("nccl")
 
 
 @pytest.fixture

@@ -1,0 +1,133 @@
+"""The exactness contract on CUDA: a world of one on one GPU, one rank of a larger job on one GPU
+(collectives on a fake process group), and NCCL across GPUs. Marked ``cuda``; skipped where CUDA
+is absent. ``scripts/gpu_ci.sh`` runs them."""
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import autosp
+import cases
+from examples.models import Llama, LlamaConfig
+from test_exact import MODELS
+from test_plan import CONFIGS, LAYERS, L as PLAN_L, _ulysses_expected
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(GPUS == 0, reason="needs CUDA: torch.cuda.is_available() is False")]
+
+
+def needs_gpus(n: int):
+    return pytest.mark.skipif(GPUS < n, reason=f"needs {n} GPUs for NCCL, found {GPUS}")
+
+
+@pytest.fixture
+def fp32():
+    """fp32 matmuls and convolutions in fp32: the tests compare at 1e-5 relative, which TF32's
+    10-bit mantissa cannot meet."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@pytest.fixture
+def own_world():
+    """No process group before the test (autosp.mesh() makes its own), none after."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    torch._dynamo.reset()
+
+
+def _assert_exact(r: dict, tol: float = 1e-5) -> None:
+    loss, loss_ref = r["loss"]
+    assert abs(loss - loss_ref) <= tol * abs(loss_ref), r["loss"]
+    worst = max(r["grad_err"].items(), key=lambda kv: kv[1])
+    assert worst[1] <= tol, worst
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("kind,b,L", [m for m in MODELS if m[0] != "llama_manual"])
+def test_world_of_one_on_gpu_matches_eager(fp32, own_world, kind, b, L, compiler):
+    """`python train.py` on a GPU machine: autosp.mesh() makes an NCCL world of one and the step
+    compiles to Triton kernels (Inductor) or runs aot_eager; loss and grads equal plain eager on
+    the same GPU. Catches a tensor made on the CPU inside the step, a mesh on the wrong device,
+    and a wrong compile path at sp=1."""
+    r = cases.exactness(kind, b, L, 1, compiler, device="cuda")
+    assert dist.get_backend() == "nccl"
+    _assert_exact(r)
+
+
+def _cuda_llama(heads: int, kv: int, dim: int, attn: str) -> Llama:
+    torch.manual_seed(0)
+    return Llama(LlamaConfig(heads=heads, kv_heads=kv, dim=dim, layers=LAYERS, attn=attn)).cuda()
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "manual"])
+def test_rank_local_plan_is_ulysses_and_step_runs_on_gpu(fake_world, attn):
+    """One rank of a 4-rank job on one GPU (fake process group): the plan is exactly the CPU
+    plan's Ulysses all-to-alls and all-reduces (CUDA's attention ops are not the CPU ones autosp
+    has rules for: a gather here means SDPA fell back), and the compiled step runs with every
+    tensor on the GPU."""
+    world, heads, kv, dim = CONFIGS[1]
+    fake_world(world)
+    model = _cuda_llama(heads, kv, dim, attn)
+    ids = torch.randint(0, 256, (1, PLAN_L), device="cuda")
+    with autosp.mesh(sp=world):
+        step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager")
+        plan = autosp.explain(step, ids, ids)
+        got = Counter((c.kind, c.backward, math.prod(c.shape)) for c in plan.collectives)
+        assert got == _ulysses_expected(model, world, heads, kv, dim), str(plan)
+        loss = step(ids, ids)
+        loss.backward()
+    assert loss.device.type == "cuda"
+    assert all(p.grad is not None and p.grad.device.type == "cuda" for p in model.parameters())
+
+
+def _step_peak(fn) -> int:
+    """Peak bytes allocated during one step above what a warm-up step leaves held (parameters and
+    gradients): the step's activations, temporaries and communication buffers."""
+    fn().backward()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn().backward()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def test_rank_local_peak_memory_is_below_single_device(fake_world):
+    """The point of SP, on a GPU: one rank of a 4-rank job at 8192 tokens holds less at its peak
+    than one device running the whole sequence (same model, same compiler)."""
+    world, heads, kv, dim = CONFIGS[1]
+    model = _cuda_llama(heads, kv, dim, "sdpa")
+    ids = torch.randint(0, 256, (1, 8192), device="cuda")
+    single = torch.compile(lambda input_ids, labels: model(input_ids, labels), backend="aot_eager", fullgraph=True)
+    single_peak = _step_peak(lambda: single(ids, ids))
+    fake_world(world)
+    with autosp.mesh(sp=world):
+        step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager")
+        sharded_peak = _step_peak(lambda: step(ids, ids))
+    assert sharded_peak < single_peak, (sharded_peak, single_peak)
+
+
+NCCL_CASES = [pytest.param(2, *m, "aot_eager", marks=needs_gpus(2)) for m in MODELS] + [
+    pytest.param(2, "llama", 2, 93, "aot_eager", marks=needs_gpus(2)),  # uneven shards
+    pytest.param(2, "llama", 2, 96, "inductor", marks=needs_gpus(2)),
+] + [pytest.param(4, *m, "aot_eager", marks=needs_gpus(4)) for m in MODELS]
+
+
+@pytest.mark.parametrize("world,kind,b,L,compiler", NCCL_CASES)
+def test_nccl_loss_and_grads_match_single_device_fp32(nccl_pools, world, kind, b, L, compiler):
+    """test_exact's contract over NCCL, one GPU per rank: the global loss on every rank and every
+    gradient equal one device's (the same GPU, in each worker) within 1e-5 relative."""
+    for r in nccl_pools(world).run(cases.exactness, kind, b, L, 1, compiler, torch.float32, "cuda"):
+        _assert_exact(r)
+        assert r["planned"]

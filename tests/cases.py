@@ -38,7 +38,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def exactness(kind: str, b: int, L: int, steps: int = 3, compiler: str = "aot_eager",
-              dtype: torch.dtype = torch.float32, device: str = "cpu") -> dict:
+              dtype: torch.dtype = torch.float32, device: str = "cpu", checkpoint="auto") -> dict:
     """Loss and grads of the first step, and parameters after ``steps`` AdamW steps, against the
     same model trained on one device (in this process, on the full batch, on ``device``)."""
     torch.manual_seed(0)
@@ -48,7 +48,8 @@ def exactness(kind: str, b: int, L: int, steps: int = 3, compiler: str = "aot_ea
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     out = {}
     with autosp.mesh():
-        step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler=compiler)
+        step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler=compiler,
+                            checkpoint=checkpoint)
         for i in range(steps):
             ids, labels = (t.to(device) for t in batch(kind, b, L, seed=i))
             loss = step(ids, labels)
@@ -61,6 +62,7 @@ def exactness(kind: str, b: int, L: int, steps: int = 3, compiler: str = "aot_ea
             opt.step(); opt.zero_grad(); opt_ref.step(); opt_ref.zero_grad()
     out["param_err"] = max(_rel(p, q) for p, q in zip(model.parameters(), ref.parameters()))
     out["planned"] = step.plan is not None
+    out["checkpoint"] = step.plan.checkpoint.chosen if step.plan is not None else None
     return out
 
 
@@ -78,7 +80,7 @@ def _gloo_events(prof) -> list[tuple[str, int]]:
     return out
 
 
-def comm(kind: str, b: int, L: int) -> dict:
+def comm(kind: str, b: int, L: int, checkpoint="auto") -> dict:
     """The collectives gloo ran in one training step (after a warm-up step), for autosp and for
     hand-written Ulysses on the same model and batch: [(event name, elements)]."""
     from examples.ulysses import allreduce_grads, ulysses_loss
@@ -87,7 +89,8 @@ def comm(kind: str, b: int, L: int) -> dict:
     ids, labels = batch(kind, b, L, seed=0)
     res = {}
     with autosp.mesh():
-        step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager")
+        step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager",
+                            checkpoint=checkpoint)
         step(ids, labels).backward()
         with torch.profiler.profile(record_shapes=True) as prof:
             step(ids, labels).backward()

@@ -1,0 +1,141 @@
+"""Activation checkpointing (``shard(checkpoint=...)``) and the memory autosp predicts: exact with
+every setting, no collective recomputed, budgets kept, predictions against measured RSS, and the
+``autosp plan`` extrapolation against a full trace."""
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+import autosp
+import cases
+from examples.models import Llama, LlamaConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = dict(dim=256, layers=4, heads=8, kv_heads=4, ffn=768, vocab=256)
+
+
+@pytest.mark.parametrize("checkpoint", ["none", "full", 64 * 2**20])
+@pytest.mark.parametrize("kind,b,L", [("llama", 2, 96), ("gpt", 2, 48)])
+def test_every_checkpoint_setting_matches_single_device(pools, kind, b, L, checkpoint):
+    """Recomputation changes what the backward keeps, never what it computes: in fp64 (see
+    test_exact's AdamW test for why), loss, gradients and parameters after 3 AdamW steps equal
+    one device's to 1e-10 (the default, "auto", runs in every other exactness test)."""
+    for r in pools(2).run(cases.exactness, kind, b, L, 3, "aot_eager", torch.float64, "cpu", checkpoint):
+        loss, loss_ref = r["loss"]
+        assert abs(loss - loss_ref) <= 1e-10 * abs(loss_ref)
+        assert max(r["grad_err"].values()) <= 1e-10
+        assert r["param_err"] <= 1e-10
+        if checkpoint == "full":
+            assert r["checkpoint"] == "full"
+
+
+def test_no_collective_is_recomputed(pools):
+    """Full recomputation runs exactly the collectives of no recomputation (gloo's own events):
+    communication per step never grows with checkpointing."""
+    none = pools(2).run(cases.comm, "llama", 1, 96, "none")[0]["autosp"]
+    full = pools(2).run(cases.comm, "llama", 1, 96, "full")[0]["autosp"]
+    assert Counter(none) == Counter(full)
+
+
+def _rungs(fake_world, checkpoint, seq=8192, sp=2):
+    fake_world(sp)
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(**SMALL))
+    ids = torch.randint(0, 256, (1, seq))
+    with autosp.mesh(sp=sp):
+        step = autosp.shard(lambda i, l: model(i, l), compiler="aot_eager", checkpoint=checkpoint)
+        return autosp.explain(step, ids, ids)
+
+
+_AUTO: list = []
+
+
+def _auto_rungs(fake_world):
+    if not _AUTO:
+        _AUTO.append(_rungs(fake_world, "auto").checkpoint.rungs)
+    return _AUTO[0]
+
+
+def test_budget_takes_the_cheapest_rung_that_fits(fake_world):
+    """A budget between the smallest and the largest predicted peak: the chosen rung fits it,
+    and every rung that recomputes less does not."""
+    rungs = _auto_rungs(fake_world)
+    peaks = sorted(r.memory.peak for r in rungs)
+    assert peaks[0] < 0.6 * peaks[-1]  # full recomputation saves memory at this length
+    budget = (peaks[0] + peaks[-1]) // 2
+    plan = _rungs(fake_world, budget)
+    chosen = next(r for r in plan.checkpoint.rungs if r.name == plan.checkpoint.chosen)
+    assert plan.memory.peak == chosen.memory.peak <= budget
+    assert all(r.memory.peak > budget for r in plan.checkpoint.rungs if r.recompute < chosen.recompute)
+    assert "predicted peak memory per rank" in str(plan) and "checkpoint=" in str(plan)
+
+
+def test_budget_below_every_plan_names_the_smallest_that_fits(fake_world):
+    rungs = _auto_rungs(fake_world)
+    smallest = min(r.memory.peak for r in rungs)
+    with pytest.raises(autosp.PlanError, match=rf"no checkpointing plan fits checkpoint=1048576 bytes per rank.*"
+                                               rf"pass checkpoint={smallest} or more"):
+        _rungs(fake_world, 2**20)
+
+
+@pytest.mark.parametrize("bad", ["some", 0, -5, True, 1.5])
+def test_bad_checkpoint_setting_is_refused(bad):
+    with pytest.raises(ValueError, match="autosp: checkpoint="):
+        autosp.shard(lambda x: x, checkpoint=bad)
+
+
+def test_predicted_peak_is_within_15_percent_of_measured_rss():
+    """The liveness walk over the partitioned graphs against one rank's measured peak RSS growth
+    (fake process group, glibc mmapping every allocation over 64 KiB) at several lengths, N and
+    settings; a budget's measured peak stays within 10% of the budget."""
+    budget = 120 * 2**20
+    cases_ = ["4096:2:none", "8192:4:full", "4096:2:auto", f"4096:2:{budget}"]
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", OMP_NUM_THREADS="1",
+               PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
+    out = subprocess.run([sys.executable, str(ROOT / "tests" / "memory_probe.py"), *cases_], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert len(records) == len(cases_)
+    for r in records:
+        assert 0.85 <= r["predicted"] / r["measured"] <= 1.15, r
+    assert records[-1]["predicted"] <= budget and records[-1]["measured"] <= 1.10 * budget, records[-1]
+    none, full = records[0], records[1]  # both 2048 tokens per rank
+    assert full["measured"] < 0.7 * none["measured"]
+
+
+TINY_HF = dict(model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096, tie_word_embeddings=False)
+
+
+def test_plan_fit_matches_a_full_depth_trace(fake_world):
+    """``autosp plan`` traces 1 and 2 layers at two lengths and extrapolates: the prediction for
+    3 layers at a third length equals a 3-layer trace at that length (every rung, within 2%)."""
+    pytest.importorskip("transformers")
+    from autosp._cli import PlanFit, trace_plan
+    fake_world(4)
+    fit = PlanFit(TINY_HF, sp=4, seqs=(512, 1024), batch=1, dtype=torch.float32)
+    direct = trace_plan(TINY_HF, layers=3, seq=1536, batch=1, sp=4, dtype=torch.float32)
+    for predicted, traced in zip(fit.rungs(1536), direct.checkpoint.rungs):
+        assert predicted.name == traced.name
+        assert predicted.memory.peak == pytest.approx(traced.memory.peak, rel=0.02), predicted.name
+    assert fit.at(1536, "none").comm_bytes == pytest.approx(direct.comm_bytes, rel=0.02)
+
+
+def test_plan_command_prints_memory_and_longest_sequence(tmp_path):
+    pytest.importorskip("transformers")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_HF))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-m", "autosp", "plan", "--model", str(config), "--sp", "4", "--seq", "2048",
+                          "--memory", "64MiB", "--dtype", "fp32"], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for policy in ("none", "auto", "full"):
+        assert f"checkpoint={policy}" in out.stdout
+    assert "longest sequence that fits" in out.stdout and "tokens (" in out.stdout

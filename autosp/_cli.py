@@ -10,7 +10,8 @@ memory and the recompute cost of a step are affine in the layer count: the plan 
 one and with two layers and extrapolated to the model's depth (checked against a full-depth
 trace in the tests). Memory per rank = parameters + gradients + optimizer state + the step's
 activations and temporaries (``checkpoint`` none / auto / full); the maximum sequence length is
-found by bisection on those functions of the sequence length (see ``PlanFit``).
+found by bisection on those functions of the sequence length, then confirmed by a trace at the
+answer and bisected again from there (see ``PlanFit``).
 """
 from __future__ import annotations
 
@@ -38,8 +39,10 @@ PRESETS = {
                          num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
 }
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# optimizer state per parameter byte (AdamW: exp_avg and exp_avg_sq in the parameters' dtype)
-_OPTIMIZER_STATE = {"adamw": 2.0, "adam": 2.0, "sgd": 0.0, "sgd-momentum": 1.0}
+# optimizer state per parameter: (times the parameter's bytes, plus fixed bytes). AdamW keeps
+# exp_avg and exp_avg_sq in the parameters' dtype; "adamw-mixed" is mixed precision as DeepSpeed
+# and Megatron run it: an fp32 master copy and fp32 moments (12 bytes per parameter)
+_OPTIMIZER_STATE = {"adamw": (2, 0), "adamw-mixed": (0, 12), "sgd": (0, 0), "sgd-momentum": (1, 0)}
 _POLICIES = ("none", "auto", "full")
 
 
@@ -84,14 +87,16 @@ def _build_meta(cfg: dict, dtype: torch.dtype, layers: int | None = None):
 
 
 def trace_plan(cfg: dict, *, layers: int, seq: int, batch: int, sp: int, dtype: torch.dtype, policy: str = "auto"):
-    """``autosp.explain`` of one training step of the model cut to ``layers`` layers (policy
-    "auto" evaluates every rung of the checkpointing ladder)."""
+    """``autosp.explain`` of one training step of the model cut to ``layers`` layers, with every
+    rung of the checkpointing ladder evaluated."""
     import autosp
+    from .annotations._shard import _Sharded
+    from .backend._backend import Options
     # uninitialised CPU storage: tracing reads shapes only, so the pages are never touched
     model = _build_meta(cfg, dtype, layers).to_empty(device="cpu").train()
     ids = torch.zeros(batch, seq, dtype=torch.long)
-    step = autosp.shard(lambda input_ids, labels: model(input_ids=input_ids, labels=labels).loss,
-                        compiler="aot_eager", checkpoint=policy)
+    step = _Sharded(lambda input_ids, labels: model(input_ids=input_ids, labels=labels).loss, True,
+                    Options(compiler="aot_eager", checkpoint=policy, every_rung=True))
     with autosp.mesh(sp=sp):
         return autosp.explain(step, ids, ids)
 
@@ -99,13 +104,31 @@ def trace_plan(cfg: dict, *, layers: int, seq: int, batch: int, sp: int, dtype: 
 class PlanFit:
     """Plans traced at (1 and 2 layers) x (two lengths), as functions of the sequence length at
     the model's depth. Per rung, memory and the non-attention costs are affine in the layer count
-    and in the sequence length (every tensor of the step is proportional to the tokens per rank;
-    attention runs as a fused kernel without score matrices); attention's cost is quadratic."""
+    (identical layers: exact) and, within a regime, in the sequence length: every tensor of the
+    step is proportional to the tokens per rank (attention runs as a fused kernel without score
+    matrices), but the peak is the largest of the step's moments, so where another moment takes
+    over the line bends upward. ``refine`` traces at a length and fits from the nearest traced
+    one, so answers are confirmed by a trace at (or next to) their own length. Attention's cost is
+    quadratic in the length."""
 
     def __init__(self, cfg: dict, *, sp: int, seqs: tuple[int, int], batch: int, dtype: torch.dtype):
+        self.cfg, self.sp, self.batch, self.dtype = cfg, sp, batch, dtype
         self.layers, self.seqs = cfg["num_hidden_layers"], seqs
-        self.plans = {(k, s): trace_plan(cfg, layers=k, seq=s, batch=batch, sp=sp, dtype=dtype)
-                      for k in (1, 2) for s in seqs}
+        self.plans: dict = {}
+        for s in seqs:
+            self._trace(s)
+
+    def _trace(self, seq: int) -> None:
+        for k in (1, 2):
+            if (k, seq) not in self.plans:
+                self.plans[(k, seq)] = trace_plan(self.cfg, layers=k, seq=seq, batch=self.batch, sp=self.sp,
+                                                  dtype=self.dtype)
+
+    def refine(self, seq: int) -> None:
+        """Trace at ``seq`` and fit from it and the nearest other traced length."""
+        self._trace(seq)
+        others = sorted({s for _, s in self.plans if s != seq}, key=lambda s: abs(s - seq))
+        self.seqs = (seq, others[0])
 
     def _value(self, get, seq: int, quadratic: bool = False) -> float:
         (s1, s2), L = self.seqs, self.layers
@@ -120,8 +143,11 @@ class PlanFit:
         out = []
         for i, r in enumerate(self.plans[(1, self.seqs[0])].checkpoint.rungs):
             rung = lambda p: p.checkpoint.rungs[i]  # noqa: E731
-            mem = MemoryEstimate(*(int(self._value(lambda p, f=f: getattr(rung(p).memory, f), seq))
-                                   for f in ("params", "grads", "saved", "forward_peak", "backward_peak")))
+            params, grads, saved, fw, bw = (int(self._value(lambda p, f=f: getattr(rung(p).memory, f), seq))
+                                            for f in ("params", "grads", "saved", "forward_peak", "backward_peak"))
+            # with more layers the backward's peak can move from the loss to its end, where every
+            # gradient is held next to the saved activations: both are sums over the layers
+            mem = MemoryEstimate(params, grads, saved, fw, max(bw, saved + grads))
             attention = self._value(lambda p: rung(p).attention, seq, quadratic=True)
             step = self._value(lambda p: rung(p).step - rung(p).attention, seq) + attention
             out.append(Rung(r.name, mem, self._value(lambda p: rung(p).recompute, seq), step, attention))
@@ -136,8 +162,10 @@ class PlanFit:
 
 def _static_bytes(cfg: dict, dtype: torch.dtype, optimizer: str) -> tuple[int, int]:
     """(parameter bytes, optimizer state bytes) per rank: every sp rank holds the whole model."""
-    params = sum(p.numel() * p.element_size() for p in _build_meta(cfg, dtype).parameters())
-    return params, int(params * _OPTIMIZER_STATE[optimizer])
+    model = _build_meta(cfg, dtype)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    times, fixed = _OPTIMIZER_STATE[optimizer]
+    return params, times * params + fixed * sum(p.numel() for p in model.parameters())
 
 
 def max_sequence(fit: PlanFit, policy: str, *, budget: int, static: int, granule: int,
@@ -147,15 +175,22 @@ def max_sequence(fit: PlanFit, policy: str, *, budget: int, static: int, granule
         t = fit.at(seq, policy)
         return t if static + t.activations <= budget else None
 
-    if fits(granule) is None:
-        return 0, None
-    lo, high = granule, granule
-    while high < hi and fits(high) is not None:
-        lo, high = high, high * 2
-    while high - lo > granule:
-        mid = (lo + high) // 2 // granule * granule
-        lo, high = (mid, high) if fits(mid) is not None else (lo, mid)
-    return lo, fits(lo)
+    def bisect() -> int:
+        if fits(granule) is None:
+            return 0
+        lo, high = granule, granule
+        while high < hi and fits(high) is not None:
+            lo, high = high, high * 2
+        while high - lo > granule:
+            mid = (lo + high) // 2 // granule * granule
+            lo, high = (mid, high) if fits(mid) is not None else (lo, mid)
+        return lo
+
+    seq = bisect()
+    if seq:  # confirm with a trace at the answer, and bisect again from there
+        fit.refine(seq)
+        seq = bisect()
+    return seq, (fits(seq) if seq else None)
 
 
 def main(argv=None) -> int:
@@ -194,6 +229,7 @@ def main(argv=None) -> int:
     base = args.seq or 16 * granule
     fit = PlanFit(cfg, sp=args.sp, seqs=(base, 2 * base), batch=args.batch, dtype=dtype)
     if args.seq:
+        fit.refine(args.seq)
         print(f"at {args.seq} tokens ({args.seq // args.sp} per rank):")
         for policy in policies:
             t = fit.at(args.seq, policy)

@@ -108,6 +108,9 @@ def _attention_notes(joint: fx.GraphModule, plan, n: int) -> list[str]:
                              "the ranks with more heads set the pace of attention")
         elif spec == (0, 1):
             notes.append(f"{where}: split over the batch ({q.shape[0]} sequences) instead of the heads")
+        elif spec == (2, 1):
+            notes.append(f"{where}: {H} query / {KV} K/V heads do not split over sp={n}: the query stays "
+                         "sequence-sharded and K/V are all-gathered (their gradients reduce-scattered)")
         else:
             why = f"{H} query heads < sp={n}" if H < n else f"{H} query / {KV} K/V heads do not split over sp={n}"
             notes.append(f"{where}: not Ulysses ({why}); it runs on inputs placed {plan[nd].ins[0]} (Q), "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
@@ -56,9 +57,17 @@ def _attention(attn, x, cos, sin, group, n):
     return attn.o_proj(o.reshape(b, t, c.heads * attn.hd))
 
 
-def ulysses_loss(model: Llama, input_ids, labels, group=None):
+def _layer(blk, x, cos, sin, group, n):
+    x = x + _attention(blk.attn, blk.attn_norm(x), cos, sin, group, n)
+    h = blk.mlp_norm(x)
+    return x + blk.down(F.silu(blk.gate(h)) * blk.up(h))
+
+
+def ulysses_loss(model: Llama, input_ids, labels, group=None, checkpoint: bool = False):
     """Returns (local_loss, global_loss): backprop ``local_loss`` (local token-loss sum over the
-    global valid-token count), then ``allreduce_grads``; ``global_loss`` is the value to log."""
+    global valid-token count), then ``allreduce_grads``; ``global_loss`` is the value to log.
+    ``checkpoint``: per-layer ``torch.utils.checkpoint`` (each layer recomputed in the backward,
+    its all-to-alls included), as Megatron's and DeepSpeed's full activation checkpointing."""
     group = group or dist.group.WORLD
     n, r = dist.get_world_size(group), dist.get_rank(group)
     b, s = input_ids.shape
@@ -70,9 +79,10 @@ def ulysses_loss(model: Llama, input_ids, labels, group=None):
     cos, sin = _rope(positions, model.c.dim // model.c.heads, model.c.rope_theta, model.embed.weight.dtype)
     x = model.embed(ids)
     for blk in model.blocks:
-        x = x + _attention(blk.attn, blk.attn_norm(x), cos, sin, group, n)
-        h = blk.mlp_norm(x)
-        x = x + blk.down(F.silu(blk.gate(h)) * blk.up(h))
+        if checkpoint:
+            x = torch.utils.checkpoint.checkpoint(_layer, blk, x, cos, sin, group, n, use_reentrant=False)
+        else:
+            x = _layer(blk, x, cos, sin, group, n)
     logits = model.lm_head(model.norm(x)).float()
     total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=-100, reduction="sum")
     stats = torch.stack([total.detach(), (tgt != -100).sum().to(total.dtype)])

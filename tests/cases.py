@@ -16,6 +16,7 @@ MODELS = {
     "llama_manual": lambda: Llama(LlamaConfig(attn="manual")),
     "llama_mha": lambda: Llama(LlamaConfig(heads=4, kv_heads=4)),
     "llama_mqa": lambda: Llama(LlamaConfig(heads=4, kv_heads=1)),
+    "llama_2h": lambda: Llama(LlamaConfig(heads=2, kv_heads=1)),  # fewer query heads than 4 ranks
     "llama_6h": lambda: Llama(LlamaConfig(dim=96, heads=6, kv_heads=2)),  # 6 heads: uneven over 4
     "llama_6h_manual": lambda: Llama(LlamaConfig(dim=96, heads=6, kv_heads=3, attn="manual")),
     "gpt": lambda: GPT(GPTConfig()),
@@ -457,3 +458,31 @@ def dp_exactness(kind: str, b: int, L: int, dp: int) -> dict:
     (sum(losses) / dp).backward()
     return {"loss": (loss.item(), losses[r].item()), "sp": sp,
             "grad_err": {n: _rel(p.grad, q.grad) for (n, p), q in zip(model.named_parameters(), ref.parameters())}}
+
+
+def gqa_op_exactness(L: int) -> dict:
+    """Grouped-query attention inside the op (6 query heads, 2 K/V heads, enable_gqa) on the
+    ranks of the pool: loss and input gradient against the same step on one device."""
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(16, 6 * 8 + 2 * 2 * 8)
+
+    def step(x):
+        b, s, _ = x.shape
+        q, k, v = proj(x).split([48, 16, 16], dim=-1)
+        q = q.view(b, s, 6, 8).transpose(1, 2)
+        k, v = (t.view(b, s, 2, 8).transpose(1, 2) for t in (k, v))
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return (o * o).sum()
+
+    x = torch.randn(2, L, 16, generator=torch.Generator().manual_seed(1))
+    with autosp.mesh():
+        sharded = autosp.shard(step, compiler="aot_eager")
+        loss = sharded(x)
+        loss.backward()
+        grads = [p.grad.clone() for p in proj.parameters()]
+        proj.zero_grad()
+        ref = step(x)
+        ref.backward()
+    return {"loss": (loss.item(), ref.item()),
+            "grad_err": max(_rel(g, p.grad) for g, p in zip(grads, proj.parameters())),
+            "notes": list(sharded.plan.notes)}

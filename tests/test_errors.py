@@ -22,16 +22,19 @@ def test_empty_sequence_names_input_shape_and_fix(fake_world):
 
 def test_grouped_query_heads_not_splittable_names_attention_op_and_line(fake_world):
     """6 query heads over 4 ranks split unevenly (2, 2, 1, 1), which needs each query head's K/V
-    head on its rank: with 2 K/V heads inside the op (enable_gqa) that cannot hold."""
+    head on its rank: with 2 K/V heads inside the op (enable_gqa) that cannot hold, and with a
+    mask tensor the query cannot stay sequence-sharded against gathered K/V either (without one
+    it does: test_exact)."""
     fake_world(4)
     proj = torch.nn.Linear(16, 6 * 8 + 2 * 2 * 8)
+    mask = torch.ones(32, 32, dtype=torch.bool).tril()
 
     def step(x):
         b, s, _ = x.shape
         q, k, v = proj(x).split([48, 16, 16], dim=-1)
         q = q.view(b, s, 6, 8).transpose(1, 2)
         k, v = (t.view(b, s, 2, 8).transpose(1, 2) for t in (k, v))
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum()
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).sum()
 
     x = torch.randn(1, 32, 16, requires_grad=True)
     with pytest.raises(autosp.PlanError, match=r"6 query heads and 2 K/V heads.*sp=4.*flash_attention.*\(1, 6, 32, 8\).*test_errors\.py:\d+.*scaled_dot_product_attention.*Fix: repeat K/V"):

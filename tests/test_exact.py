@@ -72,6 +72,29 @@ def test_fewer_kv_heads_than_ranks_stays_exact(pools, world):
         assert max(r["grad_err"].values()) <= 1e-5
 
 
+@pytest.mark.parametrize("L", [96, 93])
+def test_fewer_query_heads_than_ranks_gathers_kv_and_stays_exact(pools, L):
+    """2 query heads over 4 ranks cannot be split by head: the query stays sequence-sharded, K/V
+    are all-gathered and their gradients reduce-scattered (causal blocks merged by log-sum-exp);
+    exact, also with uneven shards (93 tokens: 24, 23, 23, 23)."""
+    for r in pools(4).run(cases.exactness, "llama_2h", 1, L, 1):
+        loss, loss_ref = r["loss"]
+        assert abs(loss - loss_ref) <= 1e-5 * abs(loss_ref)
+        worst = max(r["grad_err"].items(), key=lambda kv: kv[1])
+        assert worst[1] <= 1e-5, worst
+        assert r["planned"]
+
+
+def test_grouped_query_heads_inside_the_op_gather_kv_and_stay_exact(pools):
+    """6 query heads and 2 K/V heads inside the attention op (enable_gqa) over 4 ranks: no head
+    split keeps query head j with its K/V head, so K/V are gathered; 45 tokens (uneven)."""
+    for r in pools(4).run(cases.gqa_op_exactness, 45):
+        loss, ref = r["loss"]
+        assert abs(loss - ref) <= 1e-5 * abs(ref)
+        assert r["grad_err"] <= 1e-5
+        assert any("K/V are all-gathered" in note for note in r["notes"]), r["notes"]
+
+
 @pytest.mark.parametrize("kind", ["llama_6h", "llama_6h_manual"])
 def test_query_heads_not_divisible_by_ranks_stays_exact(pools, kind):
     """6 heads over 4 ranks: Ulysses with an uneven head split (2, 2, 1, 1), for SDPA and for

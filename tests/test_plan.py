@@ -91,3 +91,20 @@ def test_uneven_heads_plan_is_ulysses_with_an_uneven_split(fake_world, attn):
     _, plan = _plan(4, 6, 2, 96, attn)
     kinds = {c.kind for c in plan.collectives}
     assert kinds == {"all_to_all", "all_reduce"}, kinds
+
+
+def test_heads_that_cannot_split_gather_kv_not_activations(fake_world):
+    """2 query heads (1 K/V head) over 4 ranks: no all-to-all and no gather of the query or of
+    any activation; per layer K and V are all-gathered once forward (before the expansion to the
+    query heads: at their own head count) and their gradients reduce-scattered backward, and
+    ``explain`` says so."""
+    fake_world(4)
+    model, plan = _plan(4, 2, 1, 64, "sdpa")
+    kinds = Counter((c.kind, c.backward) for c in plan.collectives)
+    assert kinds[("all_to_all", False)] == kinds[("all_to_all", True)] == 0
+    assert kinds[("all_gather", False)] == 2 * LAYERS and kinds[("all_gather", True)] == 0, kinds
+    assert kinds[("reduce_scatter", True)] == 2 * LAYERS and kinds[("reduce_scatter", False)] == 0, kinds
+    hd = 64 // 2
+    assert all(math.prod(c.shape) == L * hd for c in plan.collectives if c.kind == "all_gather"), plan
+    assert all("k = " in c.source or "v = " in c.source for c in plan.collectives if c.kind == "all_gather"), plan
+    assert sum("K/V are all-gathered" in note for note in plan.notes) == LAYERS

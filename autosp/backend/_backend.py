@@ -47,6 +47,7 @@ class Options:
     compiler: str = "inductor"
     mem_weight: float = 4.0
     checkpoint: str | int = "auto"
+    every_rung: bool = False  # evaluate every checkpointing rung (planning tools: autosp plan)
 
 
 def _mean(x, dim=None, keepdim=False, *, dtype=None):
@@ -141,7 +142,7 @@ def make_backend(mesh, options: Options, on_plan: Callable[[Plan], None] | None 
         _debug("localize", local, t0)
         t0 = time.perf_counter()
         fw, bw, ckpt = checkpoint_partition(local, joint_inputs, options.checkpoint, num_fwd_outputs=num_fwd_outputs,
-                                            **kwargs)
+                                            every_rung=options.every_rung, **kwargs)
         _debug("checkpoint (backward graph)", bw, t0)
         if on_plan is not None:
             on_plan(dataclasses.replace(plan, memory=ckpt.memory, checkpoint=ckpt))

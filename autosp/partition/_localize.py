@@ -12,9 +12,10 @@ import torch.distributed._functional_collectives as funcol
 from torch.utils._pytree import tree_map
 
 from ..errors import PlanError
-from ..propagate._placement import P, R, is_shard, local_shape
+from ..propagate._placement import P, R, chunks, is_shard, local_shape
 from ..propagate._rules import out_vals, tensor_inputs
 from ..propagate._solver import Choice
+from ._attention import kv_gathered_attention, kv_gathered_attention_backward
 from ._collectives import redistribute
 from ._random import sharded_dropout
 
@@ -25,6 +26,23 @@ aten = torch.ops.aten
 # ops whose argument 1 is the output's shape: the local graph needs the local shape there
 _SHAPE_ARG = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
               aten.slice_backward.default, aten.select_backward.default}
+
+
+# attention ops -> position of the query among their tensor inputs
+_ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu.default: 0,
+              aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 1}
+
+
+def _kv_gathered(nd: fx.Node, target, args, kwargs, n: int, rank: int):
+    """The per-rank call of an attention op planned with the query sequence-sharded and K/V
+    gathered: the query's first row in the global sequence decides its causal block."""
+    schema = {a.name: v for a, v in zip(target._schema.arguments, args)} | kwargs
+    start = sum(chunks(out_vals(nd.args[_ATTENTION[target]])[0].shape[2], n)[:rank])
+    common = dict(start=start, is_causal=bool(schema.get("is_causal", False)), scale=schema.get("scale"))
+    if target is aten._scaled_dot_product_flash_attention_for_cpu.default:
+        return (schema["query"], schema["key"], schema["value"]), common, kv_gathered_attention
+    return ((schema["grad_out"], schema["query"], schema["key"], schema["value"], schema["out"], schema["logsumexp"]),
+            common, kv_gathered_attention_backward)
 
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
@@ -97,6 +115,8 @@ def localize(joint: fx.GraphModule, choice: Choice, joint_inputs, n: int, rank: 
             if target is aten.native_dropout.default and any(is_shard(q) for q in s.ins):
                 args = (args[0], args[1], args[2] if len(args) > 2 else kwargs.pop("train", None), rank)
                 target = lambda x, p, train, rank: sharded_dropout(x, p, train, rank)  # noqa: E731
+            if target in _ATTENTION and s.ins[_ATTENTION[target]] != R and s.ins[_ATTENTION[target] + 1] == R:
+                args, kwargs, target = _kv_gathered(nd, target, args, kwargs, n, rank)
             if target in (aten.view.default, aten._unsafe_view.default):
                 # the global graph's strides allowed a view; a collective's output may not
                 target = aten.reshape.default

@@ -594,7 +594,8 @@ def _getitem(node, A, n):
 
 
 # ---------------------------------------------------------------------------------------------
-# attention: heads (or batch) sharded; never the sequence, since the causal mask is global
+# attention: heads (or batch) sharded, as Ulysses; where the heads do not split, the query's
+# sequence with K/V gathered (the causal diagonal moves with the query shard)
 
 def _heads_error(node, heads, kv_heads, n):
     from ..errors import PlanError
@@ -615,6 +616,15 @@ def _heads_split(q, k, n) -> bool:
     return (H % n == 0 and KV % n == 0) or (H == KV and H >= n)
 
 
+def _kv_gather_ok(node, q, k, n) -> bool:
+    """Whether attention can keep the query sequence-sharded and gather K/V instead (for heads
+    that do not split): self-attention (the causal diagonal is where the query shard sits), no
+    mask tensor and no dropout. ``autosp.partition._attention`` runs it on each rank."""
+    args = {**dict(zip((a.name for a in node.target._schema.arguments), node.args)), **node.kwargs}
+    return (args.get("attn_mask") is None and not args.get("dropout_p") and q.shape[2] == k.shape[2]
+            and not _heads_split(q, k, n))
+
+
 @rule(aten._scaled_dot_product_flash_attention_for_cpu.default)
 def _sdpa_cpu(node, A, n):
     q, k, v = (_val(a) for a in node.args[:3])
@@ -622,12 +632,16 @@ def _sdpa_cpu(node, A, n):
     mask = _val(mask) if isinstance(mask, fx.Node) else None
     ti = len(tensor_inputs(node))
     res = [Strategy((R, R), tuple(R for _ in range(ti)))]
+    kv_gather = _kv_gather_ok(node, q, k, n)
+    if kv_gather and shard(2) in A[0]:
+        # heads that cannot split: the query stays sequence-sharded, K and V are gathered
+        res.append(Strategy((shard(2), shard(2)), (shard(2), R, R)))
     for dim in (1, 0):
         if dim == 1 or any(shard(dim) in A[j] for j in range(3)):
             if dim == 1 and not _heads_split(q, k, n):
-                if q.shape[1] % n and q.shape[1] >= n:
+                if q.shape[1] % n and q.shape[1] >= n and not kv_gather:
                     _heads_error(node, q.shape[1], k.shape[1], n)
-                continue  # fewer heads than ranks: the plan gathers (autosp.explain notes it)
+                continue
             if dim == 0 and not (can_shard(q.shape[0], 1, n) and can_shard(k.shape[0], 1, n)):
                 continue
             if dim == 0 and k.shape[0] != q.shape[0]:
@@ -645,6 +659,9 @@ def _sdpa_cpu_bwd(node, A, n):
     ti = len(tensor_inputs(node))
     res = [Strategy((R, R, R), tuple(R for _ in range(ti)))]
     k = _val(node.args[2])
+    if _kv_gather_ok(node, q, k, n) and shard(2) in A[1]:
+        # the gradients of the gathered K and V are partial sums over the query shards
+        res.append(Strategy((shard(2), P, P), (shard(2), shard(2), R, R, shard(2), shard(2))))
     for dim in (1, 0):
         if (dim == 1 and _heads_split(q, k, n)) or (any(shard(dim) in A[j] for j in range(6)) and dim == 0
                                                      and can_shard(q.shape[0], 1, n) and can_shard(k.shape[0], 1, n)):

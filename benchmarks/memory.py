@@ -1,0 +1,172 @@
+"""Memory against the alternatives: the longest sequence each system trains under one memory
+budget per rank (bisection on measured peaks), and step time and peak at a common length.
+
+    python -m benchmarks.memory --out runs/memory                 # budget 256 MiB per rank, sp=2
+    python -m benchmarks.memory --quick --out runs/memory_quick   # aot_eager, fewer points
+
+Systems, all on the same model (the "small" preset of benchmarks.run) and one rank's share of an
+sp job (a fake process group: collectives cost nothing, so the times compare compute, and the
+memory is exactly what one rank of a real job holds):
+- ulysses: hand-written DeepSpeed-Ulysses (examples/ulysses.py), torch.compile'd;
+- ulysses_ckpt: the same with per-layer torch.utils.checkpoint;
+- autosp_none / autosp_auto / autosp_full: autosp with checkpoint="none" / "auto" / "full";
+- autosp_budget: autosp with checkpoint=<the budget>.
+Every measurement runs in a fresh process (compile and RSS of its own). Peak memory is the growth
+of peak RSS during a step over the RSS before it (gradients set to None first), with glibc
+mmapping every allocation over 64 KiB so that RSS follows the live tensors.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SYSTEMS = ["ulysses", "ulysses_ckpt", "autosp_none", "autosp_auto", "autosp_full", "autosp_budget"]
+PRESET = dict(dim=256, layers=4, heads=8, kv_heads=4, ffn=768, vocab=256)
+
+
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _measure(system: str, seq: int, sp: int, budget: int, compiler: str, steps: int) -> dict:
+    """One measurement, in this (fresh) process."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import autosp
+    from examples.models import Llama, LlamaConfig
+    from examples.ulysses import ulysses_loss
+
+    torch.set_num_threads(int(os.environ.get("AUTOSP_BENCH_THREADS", "1")))
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=sp)
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(**PRESET))
+    ids = torch.randint(0, PRESET["vocab"], (1, seq))
+    rec = {"system": system, "seq": seq, "sp": sp}
+    with autosp.mesh(sp=sp):
+        if system.startswith("ulysses"):
+            fn = torch.compile(lambda i, l: ulysses_loss(model, i, l, checkpoint=system == "ulysses_ckpt")[0],
+                               backend=compiler)
+        else:
+            setting = system.removeprefix("autosp_")
+            step = autosp.shard(lambda i, l: model(i, l), compiler=compiler,
+                                checkpoint=budget if setting == "budget" else setting)
+            fn = step
+        try:
+            for _ in range(2):
+                fn(ids, ids).backward()
+                model.zero_grad(set_to_none=True)
+        except autosp.PlanError as e:
+            return {**rec, "error": str(e).splitlines()[0][:300]}
+        peaks, times = [], []
+        for _ in range(steps):
+            Path("/proc/self/clear_refs").write_text("5")
+            base = _status("VmRSS")
+            t0 = time.perf_counter()
+            fn(ids, ids).backward()
+            times.append(time.perf_counter() - t0)
+            peaks.append(_status("VmHWM") - base)
+            model.zero_grad(set_to_none=True)
+    rec.update(peak_mem_bytes=min(peaks), step_time_s=statistics.median(times), error=None)
+    if not system.startswith("ulysses"):
+        rec.update(predicted_bytes=step.plan.memory.peak, checkpoint=step.plan.checkpoint.chosen)
+    return rec
+
+
+def measure(system: str, seq: int, args) -> dict:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "benchmarks.memory", "--one", json.dumps(
+        [system, seq, args.sp, args.budget, args.compiler, args.steps])]
+    out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
+    if not lines:
+        tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"system": system, "seq": seq, "sp": args.sp, "error": tail[:300]}
+    rec = json.loads(lines[-1])
+    print(json.dumps(rec), flush=True)
+    return rec
+
+
+def longest(system: str, args, records: list) -> int:
+    """The longest multiple of the granule whose measured peak fits the budget (0 if none)."""
+    g = args.granule
+
+    def fits(seq: int) -> bool:
+        r = measure(system, seq, args)
+        records.append(r)
+        return not r.get("error") and r["peak_mem_bytes"] <= args.budget
+
+    lo, hi = 0, args.start
+    while fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > g:
+        mid = (lo + hi) // 2 // g * g
+        if mid <= lo:
+            break
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("runs/memory"))
+    ap.add_argument("--sp", type=int, default=2)
+    ap.add_argument("--budget", type=int, default=256 * 2**20, help="bytes per rank")
+    ap.add_argument("--compiler", default="inductor", choices=["inductor", "aot_eager"])
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.one:
+        system, seq, sp, budget, compiler, steps = json.loads(args.one)
+        print(json.dumps(_measure(system, seq, sp, budget, compiler, steps)), flush=True)
+        return
+    if args.quick:
+        args.compiler, args.steps = "aot_eager", 2
+    args.granule = 512 * args.sp
+    args.start = 4 * args.granule
+    systems = args.systems.split(",")
+    args.out.mkdir(parents=True, exist_ok=True)
+    records: list[dict] = []
+    longest_seq = {s: longest(s, args, records) for s in systems}
+    # step time and peak at one length every system fits: the longest hand-written Ulysses fits
+    common = min(v for v in longest_seq.values() if v) if any(longest_seq.values()) else args.start
+    at_common = {s: measure(s, common, args) for s in systems}
+    summary = {"budget_bytes": args.budget, "sp": args.sp, "compiler": args.compiler, "preset": PRESET,
+               "longest_seq": longest_seq, "common_seq": common, "at_common": at_common}
+    machine = {"host": platform.node(), "cpu_count": os.cpu_count(), "python": platform.python_version()}
+    (args.out / "results.json").write_text(json.dumps({"machine": machine, "summary": summary, "records": records},
+                                                      indent=1))
+    rows = [f"budget {args.budget / 2**20:.0f} MiB per rank, sp={args.sp} (one rank's share), {args.compiler}, "
+            f"model {PRESET}", "",
+            "| system | longest seq under budget | x ulysses | x ulysses_ckpt | "
+            f"step time at {common} (s) | peak at {common} (MiB) | predicted (MiB) | rung |",
+            "|---|---|---|---|---|---|---|---|"]
+    for s in systems:
+        r = at_common[s]
+        ratio = lambda base: f"{longest_seq[s] / longest_seq[base]:.2f}" if longest_seq.get(base) else "-"  # noqa: E731
+        t = f"{r['step_time_s']:.3f}" if not r.get("error") else r["error"][:60]
+        m = f"{r['peak_mem_bytes'] / 2**20:.0f}" if not r.get("error") else "-"
+        pred = f"{r['predicted_bytes'] / 2**20:.0f}" if r.get("predicted_bytes") else "-"
+        rows.append(f"| {s} | {longest_seq[s]} | {ratio('ulysses')} | {ratio('ulysses_ckpt')} | {t} | {m} | {pred} | "
+                    f"{r.get('checkpoint', '-')} |")
+    (args.out / "results.md").write_text("\n".join(rows) + "\n")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()

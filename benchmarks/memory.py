@@ -7,7 +7,8 @@ budget per rank (bisection on measured peaks), and step time and peak at a commo
 Systems, all on the same model (the "small" preset of benchmarks.run) and one rank's share of an
 sp job (a fake process group: collectives cost nothing, so the times compare compute, and the
 memory is exactly what one rank of a real job holds):
-- ulysses: hand-written DeepSpeed-Ulysses (examples/ulysses.py), torch.compile'd;
+- ulysses: hand-written DeepSpeed-Ulysses (examples/ulysses.py), torch.compile'd, its gradients
+  summed over the group afterwards (allreduce_grads, in place) as autosp's step does in its graph;
 - ulysses_ckpt: the same with per-layer torch.utils.checkpoint;
 - autosp_none / autosp_auto / autosp_full: autosp with checkpoint="none" / "auto" / "full";
 - autosp_budget: autosp with checkpoint=<the budget>.
@@ -47,7 +48,7 @@ def _measure(system: str, seq: int, sp: int, budget: int, compiler: str, steps: 
 
     import autosp
     from examples.models import Llama, LlamaConfig
-    from examples.ulysses import ulysses_loss
+    from examples.ulysses import allreduce_grads, ulysses_loss
 
     torch.set_num_threads(int(os.environ.get("AUTOSP_BENCH_THREADS", "1")))
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=sp)
@@ -57,16 +58,22 @@ def _measure(system: str, seq: int, sp: int, budget: int, compiler: str, steps: 
     rec = {"system": system, "seq": seq, "sp": sp}
     with autosp.mesh(sp=sp):
         if system.startswith("ulysses"):
-            fn = torch.compile(lambda i, l: ulysses_loss(model, i, l, checkpoint=system == "ulysses_ckpt")[0],
-                               backend=compiler)
+            loss_fn = torch.compile(lambda i, l: ulysses_loss(model, i, l, checkpoint=system == "ulysses_ckpt")[0],
+                                    backend=compiler)
+
+            def run():
+                loss_fn(ids, ids).backward()
+                allreduce_grads(model)  # as autosp's step does inside its graph
         else:
             setting = system.removeprefix("autosp_")
             step = autosp.shard(lambda i, l: model(i, l), compiler=compiler,
                                 checkpoint=budget if setting == "budget" else setting)
-            fn = step
+
+            def run():
+                step(ids, ids).backward()
         try:
             for _ in range(2):
-                fn(ids, ids).backward()
+                run()
                 model.zero_grad(set_to_none=True)
         except autosp.PlanError as e:
             return {**rec, "error": str(e).splitlines()[0][:300]}
@@ -75,7 +82,7 @@ def _measure(system: str, seq: int, sp: int, budget: int, compiler: str, steps: 
             Path("/proc/self/clear_refs").write_text("5")
             base = _status("VmRSS")
             t0 = time.perf_counter()
-            fn(ids, ids).backward()
+            run()
             times.append(time.perf_counter() - t0)
             peaks.append(_status("VmHWM") - base)
             model.zero_grad(set_to_none=True)

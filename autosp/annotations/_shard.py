@@ -199,7 +199,7 @@ def shard(fn: Callable | nn.Module | None = None, *, seq: SeqSpec = True, compil
 
     seq: which inputs are sharded along their sequence dim: True (dim 1 of every tensor argument
         with ndim >= 2), an argument name or list of names (dim 1), or a mapping name -> dim.
-    checkpoint: activation checkpointing: "auto" (the least memory for at most 5% more compute),
+    checkpoint: activation checkpointing: "auto" (the least memory for at most 10% more compute),
         "none", "full" (whole layers recomputed, as per-layer ``torch.utils.checkpoint``), or a
         budget in bytes per rank for the step's peak beyond parameters and optimizer state (the
         fastest plan predicted to fit; an error naming the smallest budget when none does).

@@ -40,8 +40,10 @@ __all__ = ["Checkpoint", "Rung", "checkpoint_partition", "check_policy", "select
 # flops a CPU core does in the time it writes one byte of a pointwise op's output: 132.6 GFLOP/s
 # (4096x256 @ 256x768 fp32 matmul) against 7.4 GB/s (4096x768 multiply), one thread, this machine
 MACHINE_BALANCE = 16.0
-# "auto" spends at most this fraction of the step's estimated cost on recomputation
-AUTO_OVERHEAD = 0.05
+# "auto" spends at most this fraction of the step's estimated cost on recomputation: the step
+# time the default may cost (measured, small preset at 8192 tokens over 2: the "full" rung,
+# estimated +8.9%, ran +6% for half the memory; tests/memory_probe.py)
+AUTO_OVERHEAD = 0.10
 RUNGS = 5  # rungs between "none" and "full", at quantiles of the ops' cost per byte
 
 aten = torch.ops.aten

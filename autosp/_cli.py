@@ -47,11 +47,13 @@ _POLICIES = ("none", "auto", "full")
 
 
 def parse_bytes(text: str) -> int:
-    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]i?B?|B)?\s*", text, re.IGNORECASE)
-    if not m:
-        raise argparse.ArgumentTypeError(f"autosp: memory {text!r}; write e.g. 80GiB, 24GB or 1000000")
-    unit = (m.group(2) or "B").upper().rstrip("B").rstrip("I")
-    return int(float(m.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[unit])
+    """'80GiB' (powers of 2), '24GB' (powers of 10) or a byte count."""
+    m = re.fullmatch(r"\s*([\d.]+)\s*(?:([KMGT])(i?)B?|B)?\s*", text, re.IGNORECASE)
+    value = int(float(m.group(1)) * ((1024 if m.group(3) else 1000) ** ("KMGT".index(m.group(2).upper()) + 1)
+                                     if m.group(2) else 1)) if m else 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"autosp: memory {text!r}; write a positive size, e.g. 80GiB, 24GB or 1000000")
+    return value
 
 
 def load_model_config(name: str) -> dict:
@@ -140,6 +142,9 @@ class PlanFit:
     def rungs(self, seq: int):
         from .partition._checkpoint import Rung
         from .partition._memory import MemoryEstimate
+        names = {tuple(r.name for r in self.plans[(k, s)].checkpoint.rungs) for k in (1, 2) for s in self.seqs}
+        if len(names) != 1:  # rungs are matched by position: they must be the same ladder
+            raise RuntimeError(f"autosp plan: the traces built different checkpointing ladders: {sorted(names)}")
         out = []
         for i, r in enumerate(self.plans[(1, self.seqs[0])].checkpoint.rungs):
             rung = lambda p: p.checkpoint.rungs[i]  # noqa: E731
@@ -240,8 +245,11 @@ def main(argv=None) -> int:
         print(f"longest sequence that fits {gib(args.memory)} per device (bisection, multiples of {granule}):")
         for policy in policies:
             seq, t = max_sequence(fit, policy, budget=args.memory, static=params + opt, granule=granule)
-            if t is None:
+            if t is None and params + opt >= args.memory:
                 print(f"  checkpoint={policy:5s} none: parameters and optimizer state alone need {gib(params + opt)}")
+            elif t is None:
+                need = params + opt + fit.at(granule, policy).activations
+                print(f"  checkpoint={policy:5s} none: {granule} tokens already need {gib(need)}")
             else:
                 print(f"  checkpoint={policy:5s} {seq} tokens ({seq // args.sp} per rank), peak "
                       f"{gib(params + opt + t.activations)}, recompute +{t.recompute:.1%} ({t.rung})")

@@ -486,3 +486,12 @@ def gqa_op_exactness(L: int) -> dict:
     return {"loss": (loss.item(), ref.item()),
             "grad_err": max(_rel(g, p.grad) for g, p in zip(grads, proj.parameters())),
             "notes": list(sharded.plan.notes)}
+
+
+def largest_peaks() -> list[int]:
+    """The budget decision's exchange: each rank offers its own rung peaks (rank-dependent, as
+    with uneven shards); every rank must get the same per-rung maxima."""
+    from autosp.backend._backend import _largest_peaks
+    with autosp.mesh() as m:
+        r = dist.get_rank()
+        return _largest_peaks(m)([100 + r, 50 - r, 10 * (r + 1)])

@@ -149,3 +149,10 @@ def test_plan_command_prints_memory_and_longest_sequence(tmp_path):
     for policy in ("none", "auto", "full"):
         assert f"checkpoint={policy}" in out.stdout
     assert "longest sequence that fits" in out.stdout and "tokens (" in out.stdout
+
+
+def test_budget_decision_takes_the_largest_peak_over_the_ranks(pools):
+    """Ranks predict different peaks (uneven shards; the first rank's K/V-gathered attention runs
+    one block fewer): a budget is held against the largest, so every rank takes the same rung or
+    raises the same error instead of one rank raising while the others wait in a collective."""
+    assert pools(2).run(cases.largest_peaks) == [[101, 50, 20]] * 2

@@ -88,7 +88,41 @@ def _compiler(name: str) -> Callable:
     raise ValueError(f"autosp: unknown compiler {name!r}; use 'inductor' or 'aot_eager'")
 
 
-_plan_checks: dict[str, int] = {}  # compiles checked so far, per process group
+_exchanges: dict[str, int] = {}  # store exchanges so far, per process group and kind
+
+
+def _exchange(mesh, kind: str, value: str) -> list[str] | None:
+    """Every sp rank's ``value``, in rank order, through the c10d store (None on a single rank
+    or a fake process group)."""
+    group = mesh.sp_group
+    if mesh.sp_size == 1 or torch.distributed.get_backend(group) == "fake":
+        return None
+    dist = torch.distributed
+    key = f"{kind}/{group.group_name}"
+    k = _exchanges[key] = _exchanges.get(key, 0) + 1
+    base = dist.distributed_c10d._get_default_store()
+    store = dist.PrefixStore(f"autosp/{key}/{k}/", base)
+    ranks = [str(r) for r in dist.get_process_group_ranks(group)]
+    store.set(str(dist.get_rank()), value)
+    try:
+        store.wait(ranks, base.timeout)
+    except RuntimeError as e:
+        raise PlanError(None, f"not every rank of the sp group compiled this step within {base.timeout} ({e})",
+                        "call the sharded step on every rank of the group, with the same arguments") from e
+    return [store.get(r).decode() for r in ranks]
+
+
+def _largest_peaks(mesh):
+    def largest(peaks: list[int]) -> list[int]:
+        got = _exchange(mesh, "peaks", ",".join(map(str, peaks)))
+        if got is None:
+            return peaks
+        per_rank = [[int(x) for x in v.split(",")] for v in got]
+        if len({len(p) for p in per_rank}) != 1:
+            raise PlanError(None, f"the sp ranks built different checkpointing ladders ({[len(p) for p in per_rank]} "
+                            "rungs)", "call the sharded step with identical, full inputs on every rank of the group")
+        return [max(col) for col in zip(*per_rank)]
+    return largest
 
 
 def _check_same_plan(plan: Plan, mesh) -> None:
@@ -98,26 +132,11 @@ def _check_same_plan(plan: Plan, mesh) -> None:
     The exchange goes through the c10d store, not a collective on the sp group: it does not take
     a slot in the group's collective sequence, and it cannot deadlock with the gloo transport
     mid-compile (an all_gather_object here hung intermittently on gloo with 2 and 4 ranks)."""
-    group = mesh.sp_group
-    if mesh.sp_size == 1 or torch.distributed.get_backend(group) == "fake":
-        return
-    dist = torch.distributed
-    k = _plan_checks[group.group_name] = _plan_checks.get(group.group_name, 0) + 1
-    base = dist.distributed_c10d._get_default_store()
-    store = dist.PrefixStore(f"autosp/plan/{group.group_name}/{k}/", base)
     digest = hashlib.sha256(repr([(c.kind, c.src, c.dst, c.shape) for c in plan.collectives]).encode()).hexdigest()
-    ranks = [str(r) for r in dist.get_process_group_ranks(group)]
-    store.set(str(dist.get_rank()), digest)
     if os.environ.get("AUTOSP_DEBUG") == "1":
-        log.warning("autosp plan check %d on %s: rank %d, %d collectives", k, group.group_name, dist.get_rank(),
-                    len(plan.collectives))
-    try:
-        store.wait(ranks, base.timeout)
-    except RuntimeError as e:
-        raise PlanError(None, f"not every rank of the sp group compiled this step within {base.timeout} ({e})",
-                        "call the sharded step on every rank of the group, with the same arguments") from e
-    digests = [store.get(r).decode() for r in ranks]
-    if len(set(digests)) != 1:
+        log.warning("autosp plan check on %s: %d collectives", mesh.sp_group.group_name, len(plan.collectives))
+    digests = _exchange(mesh, "plan", digest)
+    if digests is not None and len(set(digests)) != 1:
         raise PlanError(None, f"the sp ranks built different plans (fingerprints {[d[:12] for d in digests]}); a rank "
                         "saw other shapes or code", "call the sharded step with identical, full inputs on every rank "
                         "of the group")
@@ -142,7 +161,8 @@ def make_backend(mesh, options: Options, on_plan: Callable[[Plan], None] | None 
         _debug("localize", local, t0)
         t0 = time.perf_counter()
         fw, bw, ckpt = checkpoint_partition(local, joint_inputs, options.checkpoint, num_fwd_outputs=num_fwd_outputs,
-                                            every_rung=options.every_rung, **kwargs)
+                                            every_rung=options.every_rung, free_saved=options.compiler == "inductor",
+                                            largest=_largest_peaks(mesh), **kwargs)
         _debug("checkpoint (backward graph)", bw, t0)
         if on_plan is not None:
             on_plan(dataclasses.replace(plan, memory=ckpt.memory, checkpoint=ckpt))

@@ -36,8 +36,9 @@ def kv_gathered_attention(q, k, v, start: int, is_causal: bool, scale=None):
     if len(outs) == 1:
         return outs[0]
     lse = torch.logaddexp(outs[0][1], outs[1][1])
-    out = sum(o * torch.exp(l - lse).unsqueeze(-1).to(o.dtype) for o, l in outs)
-    return out, lse
+    # merged in fp32 (the kernel accumulates in fp32 too), rounded once
+    out = sum(o.float() * torch.exp(l - lse).unsqueeze(-1).float() for o, l in outs)
+    return out.to(q.dtype), lse
 
 
 def kv_gathered_attention_backward(grad_out, q, k, v, out, lse, start: int, is_causal: bool, scale=None):

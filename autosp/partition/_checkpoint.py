@@ -14,8 +14,10 @@ would take the partitioner's RNG-state path).
 Each rung is partitioned and its memory predicted from the resulting graphs; the policy picks
 one:
 
-- ``"none"``: the partitioner's own choice (torch.compile's default);
-- ``"full"``: the last rung;
+- ``"none"``: the partitioner's own choice (torch.compile's default); recompute tags the model
+  set itself (``torch.utils.checkpoint`` inside the step) are replaced under every policy;
+- ``"full"``: the last rung (reported under the name of the last threshold rung when that one
+  already tags the same ops);
 - ``"auto"``: the least memory whose recompute costs at most ``AUTO_OVERHEAD`` of the step;
 - an int: a budget in bytes per rank for the step's peak beyond parameters and optimizer
   state; the cheapest rung that fits, or an error naming the smallest budget that fits.
@@ -82,8 +84,9 @@ class Checkpoint:
         return f"checkpoint={self.policy}: chose {self.chosen!r} of [{rows}]"
 
 
-def select(policy, rungs: list[Rung]) -> Rung:
-    """The rung ``policy`` takes (see the module docstring)."""
+def select(policy, rungs: list[Rung], peaks: list[int] | None = None) -> Rung:
+    """The rung ``policy`` takes (see the module docstring). ``peaks``: each rung's peak to hold
+    a budget against (the largest over the ranks), by default the rung's own prediction."""
     if policy == "none":
         return rungs[0]
     if policy == "full":
@@ -91,14 +94,16 @@ def select(policy, rungs: list[Rung]) -> Rung:
     if policy == "auto":
         fits = [r for r in rungs if r.overhead <= AUTO_OVERHEAD] or rungs[:1]
         return min(fits, key=lambda r: (r.memory.peak, r.overhead))
-    fits = [r for r in rungs if r.memory.peak <= policy]
+    peak = dict(zip(map(id, rungs), peaks or [r.memory.peak for r in rungs]))
+    fits = [r for r in rungs if peak[id(r)] <= policy]
     if not fits:
-        smallest = min(rungs, key=lambda r: r.memory.peak)
+        smallest = min(rungs, key=lambda r: peak[id(r)])
+        need = peak[id(smallest)]
         raise PlanError(None, f"no checkpointing plan fits checkpoint={policy} bytes per rank: the smallest predicted "
-                        f"peak is {smallest.memory.peak} bytes ({smallest.memory.peak / 2**20:.1f} MiB, rung "
-                        f"{smallest.name!r}; {smallest.memory})",
-                        f"pass checkpoint={smallest.memory.peak} or more, use more sp ranks, or a shorter sequence")
-    return min(fits, key=lambda r: (r.recompute, r.memory.peak))
+                        f"peak is {need} bytes ({need / 2**20:.1f} MiB, rung {smallest.name!r}, on the rank that "
+                        f"needs most; here: {smallest.memory})",
+                        f"pass checkpoint={need} or more, use more sp ranks, or a shorter sequence")
+    return min(fits, key=lambda r: (r.recompute, peak[id(r)]))
 
 
 def check_policy(policy) -> None:
@@ -238,16 +243,21 @@ def _settled(policy, rung: Rung) -> bool:
 
 
 def checkpoint_partition(gm: fx.GraphModule, joint_inputs, policy, *, num_fwd_outputs: int,
-                         every_rung: bool = False, **kwargs):
+                         every_rung: bool = False, free_saved: bool = False, largest=None, **kwargs):
     """Partition the per-rank joint graph under ``policy``: (forward, backward, Checkpoint). The
     ladder is walked from the rung that recomputes least and stops once the policy is settled,
-    unless ``every_rung`` (planning tools compare them all)."""
+    unless ``every_rung`` (planning tools compare them all). A budget evaluates every rung and
+    holds each against ``largest(peaks)``, the peaks of the rank that needs most: ranks with
+    uneven shards (or K/V-gathered attention, whose first rank runs one block fewer) predict
+    different peaks, and every rank must take the same decision, or raise the same error.
+    ``free_saved``: the compiled backward frees saved activations after their last use."""
     check_policy(policy)
+    every_rung = every_rung or isinstance(policy, int)
 
     def partition(g):
         fw, bw = partitioners.min_cut_rematerialization_partition(g, joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                                                  **kwargs)
-        return fw, bw, estimate_memory(fw, bw, num_fwd_outputs)
+        return fw, bw, estimate_memory(fw, bw, num_fwd_outputs, free_saved)
 
     ladder, regions, cost = _ladder(gm)
     if policy in ("none", "full") and not every_rung:
@@ -270,7 +280,9 @@ def checkpoint_partition(gm: fx.GraphModule, joint_inputs, policy, *, num_fwd_ou
         results.append((rung, fw, bw))
         if not every_rung and _settled(policy, rung):
             break
-    rung = select(policy, [r[0] for r in results])
+    rungs = [r[0] for r in results]
+    peaks = [r.memory.peak for r in rungs]
+    rung = select(policy, rungs, largest(peaks) if largest is not None and isinstance(policy, int) else peaks)
     _, fw, bw = next(r for r in results if r[0] is rung)
     return fw, bw, Checkpoint(f"{policy} bytes" if isinstance(policy, int) else policy, rung.name, rung.memory,
                               tuple(r[0] for r in results))

@@ -33,24 +33,21 @@ SYSTEMS = ["ulysses", "ulysses_ckpt", "autosp_none", "autosp_auto", "autosp_full
 PRESET = dict(dim=256, layers=4, heads=8, kv_heads=4, ffn=768, vocab=256)
 
 
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def _measure(system: str, seq: int, sp: int, budget: int, compiler: str, steps: int) -> dict:
-    """One measurement, in this (fresh) process."""
+def measure_here(system: str, seq: int, sp: int, budget: int, compiler: str, steps: int) -> dict:
+    """One measurement in this process (a fresh one, or one that measures nothing else at the
+    same time: glibc must mmap large allocations, see ``measure``)."""
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import autosp
     from examples.models import Llama, LlamaConfig
+    from benchmarks.run import _peak, _reset_peak
     from examples.ulysses import allreduce_grads, ulysses_loss
 
     torch.set_num_threads(int(os.environ.get("AUTOSP_BENCH_THREADS", "1")))
+    if dist.is_initialized():
+        dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=sp)
     torch.manual_seed(0)
     model = Llama(LlamaConfig(**PRESET))
@@ -79,16 +76,16 @@ def _measure(system: str, seq: int, sp: int, budget: int, compiler: str, steps: 
             return {**rec, "error": str(e).splitlines()[0][:300]}
         peaks, times = [], []
         for _ in range(steps):
-            Path("/proc/self/clear_refs").write_text("5")
-            base = _status("VmRSS")
+            base = _reset_peak("cpu")
             t0 = time.perf_counter()
             run()
             times.append(time.perf_counter() - t0)
-            peaks.append(_status("VmHWM") - base)
+            peaks.append(_peak("cpu") - base)
             model.zero_grad(set_to_none=True)
     rec.update(peak_mem_bytes=min(peaks), step_time_s=statistics.median(times), error=None)
     if not system.startswith("ulysses"):
         rec.update(predicted_bytes=step.plan.memory.peak, checkpoint=step.plan.checkpoint.chosen)
+    torch._dynamo.reset()
     return rec
 
 
@@ -140,7 +137,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.one:
         system, seq, sp, budget, compiler, steps = json.loads(args.one)
-        print(json.dumps(_measure(system, seq, sp, budget, compiler, steps)), flush=True)
+        print(json.dumps(measure_here(system, seq, sp, budget, compiler, steps)), flush=True)
         return
     if args.quick:
         args.compiler, args.steps = "aot_eager", 2

@@ -106,10 +106,10 @@ def test_predicted_peak_is_within_15_percent_of_measured_rss():
     records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert len(records) == len(cases_)
     for r in records:
-        assert 0.85 <= r["predicted"] / r["measured"] <= 1.15, r
-    assert records[-1]["predicted"] <= budget and records[-1]["measured"] <= 1.10 * budget, records[-1]
+        assert 0.85 <= r["predicted_bytes"] / r["peak_mem_bytes"] <= 1.15, r
+    assert records[-1]["predicted_bytes"] <= budget and records[-1]["peak_mem_bytes"] <= 1.10 * budget, records[-1]
     none, full = records[0], records[1]  # both 2048 tokens per rank
-    assert full["measured"] < 0.7 * none["measured"]
+    assert full["peak_mem_bytes"] < 0.7 * none["peak_mem_bytes"]
 
 
 TINY_HF = dict(model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,

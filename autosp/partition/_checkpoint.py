@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 from torch._functorch import partitioners
+from torch.fx.operator_schemas import normalize_function
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..errors import PlanError
@@ -129,10 +130,10 @@ def _nbytes(nd: fx.Node) -> int:
 def _attention_flops(nd: fx.Node) -> float:
     """torch's flop counter has no formula for the CPU attention kernels: 4·B·H·Sq·Sk·D forward
     (half of it causal), 2.5 times that backward (recomputed scores, four matmuls)."""
-    args = {**dict(zip((a.name for a in nd.target._schema.arguments), nd.args)), **nd.kwargs}
+    args = normalize_function(nd.target, nd.args, nd.kwargs, normalize_to_only_use_kwargs=True).kwargs
     q, k = args["query"].meta["val"], args["key"].meta["val"]
     flops = 4.0 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * q.shape[3]
-    causal = bool(args.get("is_causal", False))
+    causal = bool(args["is_causal"])
     return flops * (0.5 if causal else 1.0) * (2.5 if "backward" in nd.target.name() else 1.0)
 
 
@@ -201,13 +202,13 @@ def _tagged_copy(gm: fx.GraphModule, tags: dict[str, CheckpointPolicy], regions:
     return copy
 
 
-def _ladder(gm: fx.GraphModule) -> tuple[list[tuple[str, dict[str, CheckpointPolicy]]], dict[str, int], dict[str, float]]:
+def _ladder(gm: fx.GraphModule, cost: dict[str, float]) -> tuple[list[tuple[str, dict[str, CheckpointPolicy]]],
+                                                                 dict[str, int]]:
     fwd = _forward_ops(gm)
     region_ids = {r: i for i, r in enumerate(dict.fromkeys(fwd.values()))}
     regions = {nd.name: region_ids[r] for nd, r in fwd.items()}
     kinds = {nd: _kind(nd) for nd in fwd}
-    cost = {nd.name: _cost(nd) for nd in fwd if kinds[nd] == "compute"}
-    per_byte = {name: c / max(_nbytes(nd), 1) for nd in fwd for name, c in [(nd.name, cost.get(nd.name))] if c is not None}
+    per_byte = {nd.name: cost[nd.name] / max(_nbytes(nd), 1) for nd in fwd if kinds[nd] == "compute"}
     keep = {nd.name: CheckpointPolicy.MUST_SAVE for nd in fwd if kinds[nd] in ("attention", "random")}
     views = {nd.name: CheckpointPolicy.PREFER_RECOMPUTE for nd in fwd if kinds[nd] == "view"}
     getitems = [nd for nd in fwd if kinds[nd] == "getitem"]
@@ -227,7 +228,7 @@ def _ladder(gm: fx.GraphModule) -> tuple[list[tuple[str, dict[str, CheckpointPol
     full = {**{nd.name: CheckpointPolicy.PREFER_RECOMPUTE for nd in fwd if kinds[nd] in ("compute", "view")}, **keep}
     if fwd:
         ladder.append(("full", with_getitems(full)))
-    return ladder, regions, cost
+    return ladder, regions
 
 
 def _recompute_cost(fw: fx.GraphModule, bw: fx.GraphModule, cost_of) -> float:
@@ -259,15 +260,15 @@ def checkpoint_partition(gm: fx.GraphModule, joint_inputs, policy, *, num_fwd_ou
                                                                  **kwargs)
         return fw, bw, estimate_memory(fw, bw, num_fwd_outputs, free_saved)
 
-    ladder, regions, cost = _ladder(gm)
+    ops = [nd for nd in gm.graph.nodes if nd.op == "call_function"]
+    cost = {nd.name: _cost(nd) for nd in ops}
+    step_cost = sum(cost.values())
+    attention_cost = sum(cost[nd.name] for nd in ops if _kind(nd) == "attention")
+    ladder, regions = _ladder(gm, cost)
     if policy in ("none", "full") and not every_rung:
         ladder = ladder[:1] if policy == "none" else ladder[-1:]
-    step_costs = [(_cost(nd), _kind(nd) == "attention") for nd in gm.graph.nodes
-                  if nd.op == "call_function" and _nbytes(nd)]
-    step_cost = sum(c for c, _ in step_costs)
-    attention_cost = sum(c for c, attn in step_costs if attn)
 
-    def cost_of(nd: fx.Node) -> float:
+    def cost_of(nd: fx.Node) -> float:  # a backward node named as the forward op it recomputes
         return cost[nd.name] if nd.name in cost else _cost(nd)
 
     results, seen = [], []

@@ -8,6 +8,7 @@ import operator
 import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.operator_schemas import normalize_function
 import torch.distributed._functional_collectives as funcol
 from torch.utils._pytree import tree_map
 
@@ -36,9 +37,9 @@ _ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu.default: 0,
 def _kv_gathered(nd: fx.Node, target, args, kwargs, n: int, rank: int):
     """The per-rank call of an attention op planned with the query sequence-sharded and K/V
     gathered: the query's first row in the global sequence decides its causal block."""
-    schema = {a.name: v for a, v in zip(target._schema.arguments, args)} | kwargs
+    schema = normalize_function(target, args, kwargs, normalize_to_only_use_kwargs=True).kwargs
     start = sum(chunks(out_vals(nd.args[_ATTENTION[target]])[0].shape[2], n)[:rank])
-    common = dict(start=start, is_causal=bool(schema.get("is_causal", False)), scale=schema.get("scale"))
+    common = dict(start=start, is_causal=bool(schema["is_causal"]), scale=schema["scale"])
     if target is aten._scaled_dot_product_flash_attention_for_cpu.default:
         return (schema["query"], schema["key"], schema["value"]), common, kv_gathered_attention
     return ((schema["grad_out"], schema["query"], schema["key"], schema["value"], schema["out"], schema["logsumexp"]),

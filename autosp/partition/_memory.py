@@ -74,8 +74,7 @@ def _aliased_input(nd: fx.Node) -> fx.Node | None:
     return None
 
 
-def graph_peak(gm: fx.GraphModule, counted_inputs: set[str], free_inputs: bool = True,
-               at_peak: list | None = None) -> tuple[int, int]:
+def graph_peak(gm: fx.GraphModule, counted_inputs: set[str], free_inputs: bool = True) -> tuple[int, int]:
     """(peak, live at the end) in bytes for one run of ``gm``: placeholders named in
     ``counted_inputs`` count from the start (freed after their last use if ``free_inputs``);
     other inputs (parameters, the batch) are held by the caller and not counted."""
@@ -104,12 +103,9 @@ def graph_peak(gm: fx.GraphModule, counted_inputs: set[str], free_inputs: bool =
             if refs[b] == 0:
                 live -= size[b]
 
-    owner: dict[int, fx.Node] = {}
-
     def new(nbytes: int, counted: bool = True) -> int:
         nonlocal live
         b = len(size)
-        owner[b] = nd
         size[b] = nbytes if counted else 0
         live += size[b]
         return b
@@ -132,8 +128,6 @@ def graph_peak(gm: fx.GraphModule, counted_inputs: set[str], free_inputs: bool =
                     hold(nd, [new(_nbytes(val))])
         elif nd.op == "get_attr":
             hold(nd, [])
-        if live > peak and at_peak is not None:  # for debugging: what is live at the peak
-            at_peak[:] = [(size[b], owner[b].name, nd.name) for b, r in refs.items() if r > 0 and size[b]]
         peak = max(peak, live)
         for a in nd.all_input_nodes:
             if last_use.get(a) == i and a not in kept and (free_inputs or a.op != "placeholder"):

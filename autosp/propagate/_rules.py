@@ -19,6 +19,7 @@ from typing import Iterable, Sequence
 import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Placement
+from torch.fx.operator_schemas import normalize_function
 from torch.utils._pytree import tree_flatten
 
 from ._placement import P, R, can_shard, is_even, shard, shard_spec
@@ -620,8 +621,8 @@ def _kv_gather_ok(node, q, k, n) -> bool:
     """Whether attention can keep the query sequence-sharded and gather K/V instead (for heads
     that do not split): self-attention (the causal diagonal is where the query shard sits), no
     mask tensor and no dropout. ``autosp.partition._attention`` runs it on each rank."""
-    args = {**dict(zip((a.name for a in node.target._schema.arguments), node.args)), **node.kwargs}
-    return (args.get("attn_mask") is None and not args.get("dropout_p") and q.shape[2] == k.shape[2]
+    args = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
+    return (args["attn_mask"] is None and not args["dropout_p"] and q.shape[2] == k.shape[2]
             and not _heads_split(q, k, n))
 
 

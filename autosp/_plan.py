@@ -10,7 +10,7 @@ from .errors import source_line
 from .partition._checkpoint import Checkpoint
 from .partition._memory import MemoryEstimate
 from .propagate._placement import R, chunks, nbytes, redistribute_kind, shard_spec, transfer_bytes
-from .propagate._rules import out_vals, tensor_inputs
+from .propagate._rules import _heads_split, _is_causal as _causal, out_vals, tensor_inputs
 from .propagate._solver import Choice
 
 __all__ = ["Collective", "Plan", "build_plan"]
@@ -89,6 +89,11 @@ def build_plan(joint: fx.GraphModule, choice: Choice, n: int) -> Plan:
                                     transfer_bytes(kind, nbytes(v), n), u.name,
                                     nd.name if nd is not out_node else "output",
                                     str(where.target), source_line(where), nd in backward or u in backward))
+        if nd is not out_node and plan[nd].kernel == "ring":  # its exchanges are inside the kernel: one row
+            kv = out_vals(nd.args[2 if "backward" in str(nd.target) else 1])[0]
+            colls.append(Collective("ring", "S(2)", "S(2)", tuple(kv.shape), str(kv.dtype).replace("torch.", ""),
+                                    plan[nd].comm, nd.args[0].name, nd.name, str(nd.target), source_line(nd),
+                                    nd in backward))
     return Plan(n, placements, tuple(colls), choice.mem_bytes, tuple(_attention_notes(joint, plan, n)))
 
 
@@ -100,17 +105,22 @@ def _attention_notes(joint: fx.GraphModule, plan, n: int) -> list[str]:
             continue
         q, k = out_vals(nd.args[0])[0], out_vals(nd.args[1])[0]
         H, KV = q.shape[1], k.shape[1]
-        spec = shard_spec(plan[nd].ins[0])
+        kernel = plan[nd].kernel
         where = f"attention at {source_line(nd)}"
-        if spec == (1, 1):
+        heads = f"{H} query / {KV} K/V heads" + ("" if _heads_split(q, k, n) else f" do not split over sp={n}")
+        if kernel == "ulysses":
             if H % n:
                 notes.append(f"{where}: {H} heads split unevenly over sp={n} (heads per rank {chunks(H, n)}); "
                              "the ranks with more heads set the pace of attention")
-        elif spec == (0, 1):
+        elif kernel == "batch":
             notes.append(f"{where}: split over the batch ({q.shape[0]} sequences) instead of the heads")
-        elif spec == (2, 1):
-            notes.append(f"{where}: {H} query / {KV} K/V heads do not split over sp={n}: the query stays "
-                         "sequence-sharded and K/V are all-gathered (their gradients reduce-scattered)")
+        elif kernel == "kv_gather":
+            notes.append(f"{where}: {heads}: the query stays sequence-sharded and K/V are all-gathered (their "
+                         "gradients reduce-scattered)")
+        elif kernel == "ring":
+            notes.append(f"{where}: {heads}: ring attention, the query stays sequence-sharded and K/V chunks pass "
+                         f"around the ranks ({plan[nd].comm / 2**20:.3f} MiB sent per rank in the forward)"
+                         + (", causal work balanced by a zigzag of query half-chunks" if _causal(nd) else ""))
         else:
             why = f"{H} query heads < sp={n}" if H < n else f"{H} query / {KV} K/V heads do not split over sp={n}"
             notes.append(f"{where}: not Ulysses ({why}); it runs on inputs placed {plan[nd].ins[0]} (Q), "

@@ -39,7 +39,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def exactness(kind: str, b: int, L: int, steps: int = 3, compiler: str = "aot_eager",
-              dtype: torch.dtype = torch.float32, device: str = "cpu", checkpoint="auto") -> dict:
+              dtype: torch.dtype = torch.float32, device: str = "cpu", checkpoint="auto", attention="auto") -> dict:
     """Loss and grads of the first step, and parameters after ``steps`` AdamW steps, against the
     same model trained on one device (in this process, on the full batch, on ``device``)."""
     torch.manual_seed(0)
@@ -50,7 +50,7 @@ def exactness(kind: str, b: int, L: int, steps: int = 3, compiler: str = "aot_ea
     out = {}
     with autosp.mesh():
         step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler=compiler,
-                            checkpoint=checkpoint)
+                            checkpoint=checkpoint, attention=attention)
         for i in range(steps):
             ids, labels = (t.to(device) for t in batch(kind, b, L, seed=i))
             loss = step(ids, labels)
@@ -64,6 +64,7 @@ def exactness(kind: str, b: int, L: int, steps: int = 3, compiler: str = "aot_ea
     out["param_err"] = max(_rel(p, q) for p, q in zip(model.parameters(), ref.parameters()))
     out["planned"] = step.plan is not None
     out["checkpoint"] = step.plan.checkpoint.chosen if step.plan is not None else None
+    out["kinds"] = sorted({c.kind for c in step.plan.collectives}) if step.plan is not None else []
     return out
 
 
@@ -495,3 +496,29 @@ def largest_peaks() -> list[int]:
     with autosp.mesh() as m:
         r = dist.get_rank()
         return _largest_peaks(m)([100 + r, 50 - r, 10 * (r + 1)])
+
+
+def ring_kernel(S: int, causal: bool, dtype: torch.dtype = torch.float64, heads: tuple[int, int] = (3, 3)) -> dict:
+    """Ring attention's forward and backward on this rank's chunks of q, k, v (and of the output's
+    gradient) against the CPU attention kernel on the whole sequence: the largest error of the
+    output, log-sum-exp and the three gradients, relative, and the gloo collectives that ran."""
+    from autosp.partition._attention import _bounds, ring_attention, ring_attention_backward
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    g = torch.Generator().manual_seed(S)
+    H, KV = heads
+    q, go = (torch.randn(2, H, S, 8, generator=g, dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(2, KV, S, 8, generator=g, dtype=dtype) for _ in range(2))
+    out, lse = flash(q, k, v, 0.0, causal)[:2]
+    ref = (out, lse, *flash_bwd(go, q, k, v, out, lse, 0.0, causal))
+    r, n = dist.get_rank(), dist.get_world_size()
+    a, b = _bounds(S, n)[r]
+    mine = [t.narrow(2, a, b - a).contiguous() for t in (q, k, v, go)]
+    kw = dict(S=S, rank=r, n=n, group=dist.group.WORLD, is_causal=causal)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        o, l = ring_attention(*mine[:3], **kw)
+        grads = ring_attention_backward(mine[3], *mine[:3], out.narrow(2, a, b - a), lse.narrow(2, a, b - a), **kw)
+    # relative to the whole reference (a row's own gradient can be 0: one query seeing one key)
+    errs = [((x - y.narrow(2, a, b - a)).abs().max() / y.abs().max()).item() if x.numel() else 0.0
+            for x, y in zip((o, l, *grads), ref)]
+    return {"err": max(errs), "errs": errs, "events": _gloo_events(prof)}

@@ -14,7 +14,7 @@ import yaml
 __all__ = ["Config", "load_config"]
 
 _MESH_KEYS = {"sp", "dp", "backend", "timeout_s"}
-_SHARD_KEYS = {"seq", "compiler", "mem_weight", "checkpoint"}
+_SHARD_KEYS = {"seq", "compiler", "mem_weight", "checkpoint", "attention"}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

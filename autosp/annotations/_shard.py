@@ -12,6 +12,7 @@ from torch.distributed.tensor import Shard
 from ..backend._backend import Options, make_backend
 from ..errors import PlanError
 from ..partition._checkpoint import check_policy
+from ..propagate._solver import ATTENTION_KERNELS
 from ._mesh import Mesh, current_mesh
 from ._spec import annotate
 
@@ -193,7 +194,7 @@ class _Sharded:
 
 
 def shard(fn: Callable | nn.Module | None = None, *, seq: SeqSpec = True, compiler: str = "inductor",
-          mem_weight: float = 4.0, checkpoint: str | int = "auto"):
+          mem_weight: float = 4.0, checkpoint: str | int = "auto", attention: str = "auto"):
     """Run ``fn`` (a training step returning a loss, or an ``nn.Module``) sequence-parallel on the
     current ``autosp.mesh``.
 
@@ -203,14 +204,21 @@ def shard(fn: Callable | nn.Module | None = None, *, seq: SeqSpec = True, compil
         "none", "full" (whole layers recomputed, as per-layer ``torch.utils.checkpoint``), or a
         budget in bytes per rank for the step's peak beyond parameters and optimizer state (the
         fastest plan predicted to fit; an error naming the smallest budget when none does).
+    attention: how attention ops run, "auto" (chosen by the plan's cost: Ulysses' all-to-alls
+        where the heads split over the ranks, else ring attention), or forced: "ulysses", "ring"
+        (K/V passed around the ranks, causal work balanced by a zigzag), "kv_gather" (K/V
+        all-gathered). A forced kernel that cannot run an attention op exactly is an error.
     Called with full, global tensors (identical on the ranks of an sp group); returns what one
     device would: the global loss on every rank, and after ``backward()`` every parameter's
     ``.grad`` is the single-device gradient on every rank.
     """
     check_policy(checkpoint)
-    options = Options(compiler=compiler, mem_weight=mem_weight, checkpoint=checkpoint)
+    if attention not in ATTENTION_KERNELS:
+        raise ValueError(f"autosp: attention={attention!r}; use one of {list(ATTENTION_KERNELS)}")
+    options = Options(compiler=compiler, mem_weight=mem_weight, checkpoint=checkpoint, attention=attention)
     if fn is None:
-        return functools.partial(shard, seq=seq, compiler=compiler, mem_weight=mem_weight, checkpoint=checkpoint)
+        return functools.partial(shard, seq=seq, compiler=compiler, mem_weight=mem_weight, checkpoint=checkpoint,
+                                 attention=attention)
     if isinstance(fn, nn.Module):
         fn.forward = _Sharded(fn.forward, seq, options)
         return fn

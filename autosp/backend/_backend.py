@@ -42,11 +42,14 @@ class Options:
     checkpoint: activation checkpointing, "auto" (default), "none", "full", or a budget in bytes
         per rank for the step's peak beyond parameters and optimizer state, e.g.
         ``checkpoint=8 * 2**30``.
+    attention: "auto" (by cost), or a kernel every attention op must run as: "ulysses", "ring" or
+        "kv_gather", e.g. ``attention="ring"``.
     """
 
     compiler: str = "inductor"
     mem_weight: float = 4.0
     checkpoint: str | int = "auto"
+    attention: str = "auto"
     every_rung: bool = False  # evaluate every checkpointing rung (planning tools: autosp plan)
 
 
@@ -148,7 +151,7 @@ def make_backend(mesh, options: Options, on_plan: Callable[[Plan], None] | None 
 
     def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs, **kwargs):
         t0 = time.perf_counter()
-        candidates = propagate(joint, n, mesh.sp_mesh)
+        candidates = propagate(joint, n, mesh.sp_mesh, options.attention)
         choice = solve(joint, candidates, n, mem_weight=options.mem_weight)
         plan = build_plan(joint, choice, n)
         _check_same_plan(plan, mesh)

@@ -1,4 +1,6 @@
-"""Attention on a query shard against gathered K/V: for heads that cannot be split over the ranks.
+"""Attention with the query sequence-sharded: for heads that cannot be split over the ranks.
+
+Two per-rank kernels, both exact. The first runs against gathered K/V (the plan all-gathers them):
 
 A rank holds query rows ``start .. start + Sq`` of the global sequence and all of K and V. With
 a causal mask its rows see every key before ``start`` and a causal diagonal block at
@@ -7,12 +9,26 @@ flash kernel and the parts are merged by their log-sum-exps. The backward runs t
 backward per part with the merged output and log-sum-exp (the blockwise gradient of ring
 attention: exact, each part's probabilities are the global softmax restricted to its keys); the
 K/V gradients are this rank's partial sums, reduced over the ranks by the plan.
+
+The second is ring attention: each rank keeps its own K/V chunk and the chunks travel around the
+ring (one ``all_to_all_single`` to the next rank per step, issued before the step's compute so that
+it overlaps), so no rank ever holds more than two chunks. The backward passes the K/V chunks the
+same way and their gradient accumulators behind them, home after n steps. Under a causal mask the
+queries are first moved to a zigzag (rank r runs query half-chunks r and 2n - 1 - r, an early one
+and a late one), so every rank computes about the same number of blocks; the outputs go back to
+the contiguous layout the rest of the plan uses.
 """
 from __future__ import annotations
 
-import torch
+import math
 
-__all__ = ["kv_gathered_attention", "kv_gathered_attention_backward"]
+import torch
+import torch.distributed._functional_collectives as funcol
+
+from ..propagate._placement import chunks
+
+__all__ = ["kv_gathered_attention", "kv_gathered_attention_backward", "ring_attention", "ring_attention_backward",
+           "ring_bytes"]
 
 aten = torch.ops.aten
 
@@ -55,3 +71,280 @@ def kv_gathered_attention_backward(grad_out, q, k, v, out, lse, start: int, is_c
         dk = dk.slice_scatter(gk, 2, a, b) if (a, b) != (0, k.shape[2]) else gk
         dv = dv.slice_scatter(gv, 2, a, b) if (a, b) != (0, k.shape[2]) else gv
     return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# ring attention
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """The dtype partial results are merged in: fp32 at least (as the kernels accumulate)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _bounds(S: int, n: int) -> list[tuple[int, int]]:
+    """(start, end) of each rank's contiguous chunk of a sequence of S."""
+    cs, out, o = chunks(S, n), [], 0
+    for c in cs:
+        out.append((o, o + c))
+        o += c
+    return out
+
+
+def _halves(S: int, n: int) -> list[tuple[int, int]]:
+    """(start, end) of the 2n half-chunks: rank r's contiguous chunk is halves 2r and 2r + 1."""
+    out = []
+    for a, b in _bounds(S, n):
+        h = chunks(b - a, 2)[0]
+        out += [(a, a + h), (a + h, b)]
+    return out
+
+
+def _zigzag(r: int, n: int) -> tuple[int, int]:
+    """The query half-chunks rank r runs under a causal mask."""
+    return r, 2 * n - 1 - r
+
+
+def _zigzag_owner(h: int, n: int) -> int:
+    return h if h < n else 2 * n - 1 - h
+
+
+def _blocks(qa: int, qb: int, ka: int, kb: int, causal: bool) -> list[tuple[int, int, bool]]:
+    """(first key, last key + 1, causal) of the kernel calls for queries ``qa..qb`` against keys
+    ``ka..kb``. Query and key chunks come from the same split, so under a causal mask the keys
+    are all before the queries, all after, or around them (ka <= qa < qb <= kb)."""
+    if qa == qb or ka == kb:
+        return []
+    if not causal or kb <= qa:
+        return [(ka, kb, False)]
+    if ka >= qb:
+        return []
+    assert ka <= qa and qb <= kb, (qa, qb, ka, kb)
+    return ([(ka, qa, False)] if qa > ka else []) + [(qa, qb, True)]
+
+
+def _rows(x: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    return x.narrow(2, a, b - a)
+
+
+def _after(flat: torch.Tensor, after: torch.Tensor | None) -> torch.Tensor:
+    """``flat`` made to depend on ``after`` (the backward's incoming gradient), for free: the
+    partitioner may otherwise compute a backward exchange that needs only forward values in the
+    forward graph (or merge it with the forward's identical one), and it decides that per rank,
+    from each rank's own graph, so the ranks would run their collectives in different orders."""
+    return flat if after is None else torch.cat([flat, after.reshape(-1)[:0].to(flat.dtype)])
+
+
+def _move(ts: list[torch.Tensor], have: list[tuple[int, int, int]], want: list[tuple[int, int, int]],
+          n: int, group, after: torch.Tensor | None = None) -> list[list[torch.Tensor]]:
+    """Move row segments between ranks in one ``all_to_all_single``. ``have``: (segment, dst,
+    rows) of each local segment, laid out in that order along dim 2; ``want``: (segment, src,
+    rows) of the segments to receive. The tensors ((B, H, S, D) or a log-sum-exp's (B, H, S), one
+    dtype) travel packed along their last dim. Returns, per tensor, the received segments in
+    ``want`` order."""
+    packed = torch.cat([t if t.ndim == 4 else t.unsqueeze(-1) for t in ts], dim=-1)
+    lead, width = packed.shape[:2], packed.shape[-1]
+    offs = [0]
+    for _, _, rows in have:
+        offs.append(offs[-1] + rows)
+    order = sorted(range(len(have)), key=lambda i: (have[i][1], have[i][0]))
+    send = [0] * n
+    for i in order:
+        send[have[i][1]] += have[i][2] * math.prod(lead) * width
+    flat = _after(torch.cat([_rows(packed, offs[i], offs[i + 1]).reshape(-1) for i in order]), after)
+    recv_order = sorted(want, key=lambda w: (w[1], w[0]))
+    recv = [0] * n
+    for _, src, rows in recv_order:
+        recv[src] += rows * math.prod(lead) * width
+    got = funcol.all_to_all_single(flat, recv, send, group)
+    pieces = dict(zip([w[0] for w in recv_order],
+                      (p.reshape(*lead, w[2], width) for p, w in zip(got.split([w[2] * math.prod(lead) * width for w in recv_order]), recv_order))))
+    out, col = [], 0
+    for t in ts:
+        w = t.shape[-1] if t.ndim == 4 else 1
+        segs = [pieces[s][..., col:col + w] for s, _, _ in want]
+        out.append([x if t.ndim == 4 else x.squeeze(-1) for x in segs])
+        col += w
+    return out
+
+
+def _zigzag_moves(S: int, n: int, rank: int, back: bool):
+    """(have, want) for ``_move``: this rank's contiguous halves to their zigzag ranks, or back."""
+    halves = _halves(S, n)
+    rows = [b - a for a, b in halves]
+    contiguous = [(h, _zigzag_owner(h, n), rows[h]) for h in (2 * rank, 2 * rank + 1)]
+    zigzag = [(h, h // 2, rows[h]) for h in _zigzag(rank, n)]
+    return (zigzag, contiguous) if back else (contiguous, zigzag)
+
+
+def _by_dtype(ts: list, move) -> list:
+    """``move`` applied to the tensors of each dtype together (one exchange per dtype)."""
+    out: list = [None] * len(ts)
+    for dtype in dict.fromkeys(t.dtype for t in ts):
+        idx = [i for i, t in enumerate(ts) if t.dtype == dtype]
+        for i, r in zip(idx, move([ts[i] for i in idx])):
+            out[i] = r
+    return out
+
+
+def _to_zigzag(ts: list[torch.Tensor], S: int, n: int, rank: int, group, after=None) -> list[list[torch.Tensor]]:
+    """This rank's zigzag query half-chunks of each tensor."""
+    return _by_dtype(ts, lambda g: _move(g, *_zigzag_moves(S, n, rank, False), n, group, after))
+
+
+def _from_zigzag(ts: list[torch.Tensor], S: int, n: int, rank: int, group, after=None) -> list[torch.Tensor]:
+    """The contiguous chunks back from tensors holding this rank's two zigzag half-chunks."""
+    return _by_dtype(ts, lambda g: [torch.cat(x, dim=2)
+                                    for x in _move(g, *_zigzag_moves(S, n, rank, True), n, group, after)])
+
+
+def _shift(ts: list[torch.Tensor], shapes: list[list[int]], n: int, rank: int, group,
+           send: bool = True, recv: bool = True, after: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Send ``ts`` (one dtype) to the next rank; receive tensors of ``shapes`` from the previous.
+    ``send``/``recv`` False: nothing goes that way (the receiver will not use it); an empty tensor
+    is returned for each shape then."""
+    flat = _after(torch.cat([t.reshape(-1) for t in ts]), after)
+    sizes, counts = [0] * n, [0] * n
+    sizes[(rank + 1) % n] = flat.numel() if send else 0
+    counts[(rank - 1) % n] = sum(math.prod(s) for s in shapes) if recv else 0
+    got = funcol.all_to_all_single(flat if send else flat[:0], counts, sizes, group)
+    if not recv:
+        return [got] * len(shapes)
+    return [p.reshape(s) for p, s in zip(got.split([math.prod(s) for s in shapes]), shapes)]
+
+
+def _tie(x: torch.Tensor, unused: torch.Tensor) -> torch.Tensor:
+    """``x``, made to depend on an exchange's empty output: every rank must keep every collective
+    of the ring in its graph (one rank dropping an unused one as dead code would hang the rest)."""
+    return torch.cat([x.reshape(-1), unused.reshape(-1)[:0].to(x.dtype)]).view(x.shape)
+
+
+def _ranges(S: int, n: int, rank: int, causal: bool) -> list[tuple[int, int]]:
+    """The global query rows rank runs: its own chunk, or under a causal mask its zigzag halves."""
+    if not causal:
+        return [_bounds(S, n)[rank]]
+    halves = _halves(S, n)
+    return [halves[h] for h in _zigzag(rank, n)]
+
+
+def _uses(S: int, n: int, rank: int, j: int, causal: bool) -> bool:
+    """Whether rank's query rows see any key of chunk j."""
+    ka, kb = _bounds(S, n)[j]
+    return any(_blocks(qa, qb, ka, kb, causal) for qa, qb in _ranges(S, n, rank, causal))
+
+
+def _next_kv(kc, vc, k, v, S: int, n: int, rank: int, t: int, group, causal: bool, after=None):
+    """Step t's K/V pass: this rank's chunk to the next rank, the previous rank's to this one. At
+    the last step a chunk goes only where it is used (nothing is forwarded after it)."""
+    bounds = _bounds(S, n)
+    src = (rank - t - 1) % n
+    rows = bounds[src][1] - bounds[src][0]
+    last = t == n - 2
+    send = not last or _uses(S, n, (rank + 1) % n, (rank - t) % n, causal)
+    recv = not last or _uses(S, n, rank, src, causal)
+    return _shift([kc, vc], [_chunk_shape(k, rows), _chunk_shape(v, rows)], n, rank, group, send, recv, after), recv
+
+
+def _chunk_shape(x: torch.Tensor, rows: int) -> list[int]:
+    return [*x.shape[:2], rows, *x.shape[3:]]
+
+
+def _query_segments(q_like: list[torch.Tensor], S: int, n: int, rank: int, group, causal: bool, after=None):
+    """(global row ranges, per-tensor segments) this rank runs (``_ranges``)."""
+    if not causal:
+        return _ranges(S, n, rank, causal), [[t] for t in q_like]
+    return _ranges(S, n, rank, causal), _to_zigzag(q_like, S, n, rank, group, after)
+
+
+def ring_attention(q, k, v, *, S: int, rank: int, n: int, group, is_causal: bool, scale=None):
+    """(out, logsumexp) of ``_scaled_dot_product_flash_attention_for_cpu`` for this rank's
+    contiguous chunk of a sequence of ``S``, with q, k, v all sequence-sharded."""
+    acc = _acc(q.dtype)
+    ranges, (qs,) = _query_segments([q], S, n, rank, group, is_causal)
+    outs: list = [None] * len(qs)
+    lses: list = [None] * len(qs)
+    kc, vc = k, v
+    bounds = _bounds(S, n)
+    unused = None
+    for t in range(n):
+        j = (rank - t) % n
+        if t < n - 1:  # the next chunk travels while this one is used
+            nxt, used = _next_kv(kc, vc, k, v, S, n, rank, t, group, is_causal)
+        ka, kb = bounds[j]
+        for i, ((qa, qb), qt) in enumerate(zip(ranges, qs)):
+            for a, b, c in _blocks(qa, qb, ka, kb, is_causal):
+                o, l = aten._scaled_dot_product_flash_attention_for_cpu(
+                    qt, _rows(kc, a - ka, b - ka), _rows(vc, a - ka, b - ka), 0.0, c, scale=scale)[:2]
+                o, l = o.to(acc), l.to(acc)
+                if outs[i] is None:
+                    outs[i], lses[i] = o, l
+                else:
+                    m = torch.logaddexp(lses[i], l)
+                    outs[i] = outs[i] * torch.exp(lses[i] - m).unsqueeze(-1) + o * torch.exp(l - m).unsqueeze(-1)
+                    lses[i] = m
+        if t < n - 1:
+            kc, vc = nxt
+            unused = None if used else kc
+    for i, qt in enumerate(qs):
+        if outs[i] is None:  # no rows (fewer tokens than half-chunks)
+            outs[i] = qt.new_zeros([*qt.shape[:3], v.shape[3]], dtype=acc)
+            lses[i] = qt.new_zeros(qt.shape[:3], dtype=acc)
+    out, lse = torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)
+    if unused is not None:
+        lse = _tie(lse, unused)
+    return (out, lse) if not is_causal else tuple(_from_zigzag([out, lse], S, n, rank, group))
+
+
+def ring_attention_backward(grad_out, q, k, v, out, lse, *, S: int, rank: int, n: int, group, is_causal: bool,
+                            scale=None):
+    """(grad q, grad k, grad v) of this rank's chunks: K/V travel the ring again, and behind them
+    the accumulators of their gradients, which arrive home after the last step. Every exchange
+    here depends on ``grad_out`` (``_after``), even one whose data does not on this rank."""
+    acc = _acc(q.dtype)
+    ranges, (gos, qs, os_, ls) = _query_segments([grad_out, q, out, lse], S, n, rank, group, is_causal, grad_out)
+    dqs = [torch.zeros_like(x, dtype=acc) for x in qs]
+    bounds = _bounds(S, n)
+    kc, vc = k, v
+    dkv, unused = None, None
+    for t in range(n):
+        j = (rank - t) % n
+        if t < n - 1:
+            nxt, used = _next_kv(kc, vc, k, v, S, n, rank, t, group, is_causal, grad_out)
+        ka, kb = bounds[j]
+        gk, gv = (x.new_zeros(_chunk_shape(x, kb - ka), dtype=acc) for x in (k, v))
+        for i, (qa, qb) in enumerate(ranges):
+            for a, b, c in _blocks(qa, qb, ka, kb, is_causal):
+                d_q, d_k, d_v = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    gos[i], qs[i], _rows(kc, a - ka, b - ka), _rows(vc, a - ka, b - ka), os_[i], ls[i], 0.0, c,
+                    scale=scale)
+                dqs[i] = dqs[i] + d_q.to(acc)
+                gk = gk.slice_scatter(_rows(gk, a - ka, b - ka) + d_k.to(acc), 2, a - ka, b - ka)
+                gv = gv.slice_scatter(_rows(gv, a - ka, b - ka) + d_v.to(acc), 2, a - ka, b - ka)
+        if dkv is not None:  # the accumulators from the previous rank, waited for only now
+            gk, gv = gk + dkv[0], gv + dkv[1]
+        a, b = bounds[(j - 1) % n]  # the chunk the previous rank holds now
+        dkv = _shift([gk, gv], [_chunk_shape(gk, b - a), _chunk_shape(gv, b - a)], n, rank, group, after=grad_out)
+        if t < n - 1:
+            kc, vc = nxt
+            unused = None if used else kc
+    dk, dv = dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    if unused is not None:
+        dk = _tie(dk, unused)
+    dq = torch.cat(dqs, dim=2).to(q.dtype)
+    return (_from_zigzag([dq], S, n, rank, group, grad_out)[0] if is_causal else dq), dk, dv
+
+
+def ring_bytes(q, k, v, n: int, causal: bool) -> tuple[float, float]:
+    """Bytes a rank sends (averaged over the ranks) in ring attention's forward and backward, for
+    q, k, v of global shapes: the K/V chunks n - 1 times each way, the gradient accumulators n
+    times (in the merge dtype), and under a causal mask the query-side rows that the zigzag moves
+    to another rank (q in, out and log-sum-exp back; grad_out, q, out, log-sum-exp in and grad q
+    back)."""
+    item, acc = q.element_size(), _acc(q.dtype).itemsize
+    S = q.shape[2]
+    kv = (k.numel() + v.numel()) * item
+    rows = q.shape[0] * q.shape[1]
+    qb, ob, lb = rows * q.shape[3] * item, rows * v.shape[3] * item, rows * acc
+    moved = sum(b - a for h, (a, b) in enumerate(_halves(S, n)) if _zigzag_owner(h, n) != h // 2) if causal else 0
+    fwd = (n - 1) / n * kv + moved * (qb + ob + lb) / n
+    bwd = (n - 1) / n * kv + kv * acc / item + moved * (2 * qb + 2 * ob + lb) / n
+    return fwd, bwd

@@ -16,7 +16,7 @@ from ..errors import PlanError
 from ..propagate._placement import P, R, chunks, is_shard, local_shape
 from ..propagate._rules import out_vals, tensor_inputs
 from ..propagate._solver import Choice
-from ._attention import kv_gathered_attention, kv_gathered_attention_backward
+from ._attention import kv_gathered_attention, kv_gathered_attention_backward, ring_attention, ring_attention_backward
 from ._collectives import redistribute
 from ._random import sharded_dropout
 
@@ -29,21 +29,23 @@ _SHAPE_ARG = {aten.view.default, aten._unsafe_view.default, aten.reshape.default
               aten.slice_backward.default, aten.select_backward.default}
 
 
-# attention ops -> position of the query among their tensor inputs
-_ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu.default: 0,
-              aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 1}
+_FWD = aten._scaled_dot_product_flash_attention_for_cpu.default
 
 
-def _kv_gathered(nd: fx.Node, target, args, kwargs, n: int, rank: int):
-    """The per-rank call of an attention op planned with the query sequence-sharded and K/V
-    gathered: the query's first row in the global sequence decides its causal block."""
-    schema = normalize_function(target, args, kwargs, normalize_to_only_use_kwargs=True).kwargs
-    start = sum(chunks(out_vals(nd.args[_ATTENTION[target]])[0].shape[2], n)[:rank])
-    common = dict(start=start, is_causal=bool(schema["is_causal"]), scale=schema["scale"])
-    if target is aten._scaled_dot_product_flash_attention_for_cpu.default:
-        return (schema["query"], schema["key"], schema["value"]), common, kv_gathered_attention
-    return ((schema["grad_out"], schema["query"], schema["key"], schema["value"], schema["out"], schema["logsumexp"]),
-            common, kv_gathered_attention_backward)
+def _seq_attention(nd: fx.Node, kernel: str, target, args, kwargs, n: int, rank: int, group):
+    """The per-rank call of an attention op planned with the query sequence-sharded: K/V gathered
+    (the query's first row in the global sequence places its causal block), or ring attention."""
+    a = normalize_function(target, args, kwargs, normalize_to_only_use_kwargs=True).kwargs
+    S = out_vals(nd.args[0 if target is _FWD else 1])[0].shape[2]
+    if kernel == "ring":
+        common = dict(S=S, rank=rank, n=n, group=group, is_causal=bool(a["is_causal"]), scale=a["scale"])
+        fns = (ring_attention, ring_attention_backward)
+    else:
+        common = dict(start=sum(chunks(S, n)[:rank]), is_causal=bool(a["is_causal"]), scale=a["scale"])
+        fns = (kv_gathered_attention, kv_gathered_attention_backward)
+    if target is _FWD:
+        return (a["query"], a["key"], a["value"]), common, fns[0]
+    return (a["grad_out"], a["query"], a["key"], a["value"], a["out"], a["logsumexp"]), common, fns[1]
 
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
@@ -116,8 +118,8 @@ def localize(joint: fx.GraphModule, choice: Choice, joint_inputs, n: int, rank: 
             if target is aten.native_dropout.default and any(is_shard(q) for q in s.ins):
                 args = (args[0], args[1], args[2] if len(args) > 2 else kwargs.pop("train", None), rank)
                 target = lambda x, p, train, rank: sharded_dropout(x, p, train, rank)  # noqa: E731
-            if target in _ATTENTION and s.ins[_ATTENTION[target]] != R and s.ins[_ATTENTION[target] + 1] == R:
-                args, kwargs, target = _kv_gathered(nd, target, args, kwargs, n, rank)
+            if s.kernel in ("ring", "kv_gather"):
+                args, kwargs, target = _seq_attention(nd, s.kernel, target, args, kwargs, n, rank, group)
             if target in (aten.view.default, aten._unsafe_view.default):
                 # the global graph's strides allowed a view; a collective's output may not
                 target = aten.reshape.default

@@ -38,6 +38,11 @@ class Strategy:
     outs: tuple[Placement | None, ...]
     ins: tuple[Placement, ...]
     introduces: bool = False  # may shard dims no input's placement reached (attention heads)
+    # attention: how it runs per rank ("ulysses": heads split, "batch", "kv_gather", "ring"),
+    # None for other ops and for running replicated; ``autosp.shard(attention=...)`` forces one
+    kernel: str | None = None
+    comm: float = 0.0  # bytes a rank sends inside the kernel (ring attention's K/V passes)
+    held: float = 0.0  # bytes it holds beyond its inputs and outputs (gathered K/V, saved for the backward)
 
 
 def out_vals(node: fx.Node) -> list:
@@ -617,13 +622,38 @@ def _heads_split(q, k, n) -> bool:
     return (H % n == 0 and KV % n == 0) or (H == KV and H >= n)
 
 
-def _kv_gather_ok(node, q, k, n) -> bool:
-    """Whether attention can keep the query sequence-sharded and gather K/V instead (for heads
-    that do not split): self-attention (the causal diagonal is where the query shard sits), no
-    mask tensor and no dropout. ``autosp.partition._attention`` runs it on each rank."""
+def _seq_attention_ok(node, q, k) -> bool:
+    """Whether attention can run with the query sequence-sharded (K/V gathered, or passed around
+    a ring): self-attention (the causal diagonal is where the query shard sits), no mask tensor and
+    no dropout. ``autosp.partition._attention`` runs both on each rank."""
     args = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
-    return (args["attn_mask"] is None and not args["dropout_p"] and q.shape[2] == k.shape[2]
-            and not _heads_split(q, k, n))
+    return args["attn_mask"] is None and not args["dropout_p"] and q.shape[2] == k.shape[2]
+
+
+def _is_causal(node) -> bool:
+    return bool(normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs["is_causal"])
+
+
+def _seq_strategies(node, q, k, v, n, backward: bool) -> list[Strategy]:
+    """Sequence-sharded attention, offered wherever it is exact: ring attention always, K/V
+    gathered only where no head split exists (it holds whole K/V on every rank). The solver
+    weighs them against Ulysses by the bytes each sends and holds."""
+    if not _seq_attention_ok(node, q, k):
+        return []
+    from ..partition._attention import ring_bytes
+    fwd, bwd = ring_bytes(q, k, v, n, _is_causal(node))
+    s2 = shard(2)
+    if backward:
+        res = [Strategy((s2, s2, s2), (s2,) * 6, kernel="ring", comm=bwd)]
+        if not _heads_split(q, k, n):  # the gathered K/V's gradients: partial sums over query shards
+            res.append(Strategy((s2, P, P), (s2, s2, R, R, s2, s2), kernel="kv_gather"))
+        return res
+    res = [Strategy((s2, s2), (s2, s2, s2), kernel="ring", comm=fwd,
+                    held=(k.numel() + v.numel()) * k.element_size() / n)]  # one chunk in flight
+    if not _heads_split(q, k, n):
+        res.append(Strategy((s2, s2), (s2, R, R), kernel="kv_gather",
+                            held=(k.numel() + v.numel()) * k.element_size() * (n - 1) / n))
+    return res
 
 
 @rule(aten._scaled_dot_product_flash_attention_for_cpu.default)
@@ -633,14 +663,13 @@ def _sdpa_cpu(node, A, n):
     mask = _val(mask) if isinstance(mask, fx.Node) else None
     ti = len(tensor_inputs(node))
     res = [Strategy((R, R), tuple(R for _ in range(ti)))]
-    kv_gather = _kv_gather_ok(node, q, k, n)
-    if kv_gather and shard(2) in A[0]:
-        # heads that cannot split: the query stays sequence-sharded, K and V are gathered
-        res.append(Strategy((shard(2), shard(2)), (shard(2), R, R)))
+    seq = _seq_strategies(node, q, k, v, n, backward=False)
+    if shard(2) in A[0]:
+        res += seq
     for dim in (1, 0):
         if dim == 1 or any(shard(dim) in A[j] for j in range(3)):
             if dim == 1 and not _heads_split(q, k, n):
-                if q.shape[1] % n and q.shape[1] >= n and not kv_gather:
+                if q.shape[1] % n and q.shape[1] >= n and not seq:
                     _heads_error(node, q.shape[1], k.shape[1], n)
                 continue
             if dim == 0 and not (can_shard(q.shape[0], 1, n) and can_shard(k.shape[0], 1, n)):
@@ -648,7 +677,8 @@ def _sdpa_cpu(node, A, n):
             if dim == 0 and k.shape[0] != q.shape[0]:
                 continue
             m = () if mask is None else ((shard(dim) if mask.shape[dim] == q.shape[dim] and mask.ndim == 4 else R),)
-            res.append(Strategy((shard(dim), shard(dim)), (shard(dim),) * 3 + m, introduces=dim == 1))
+            res.append(Strategy((shard(dim), shard(dim)), (shard(dim),) * 3 + m, introduces=dim == 1,
+                                kernel="ulysses" if dim == 1 else "batch"))
     return res
 
 
@@ -659,15 +689,15 @@ def _sdpa_cpu_bwd(node, A, n):
     mask = _val(mask) if isinstance(mask, fx.Node) else None
     ti = len(tensor_inputs(node))
     res = [Strategy((R, R, R), tuple(R for _ in range(ti)))]
-    k = _val(node.args[2])
-    if _kv_gather_ok(node, q, k, n) and shard(2) in A[1]:
-        # the gradients of the gathered K and V are partial sums over the query shards
-        res.append(Strategy((shard(2), P, P), (shard(2), shard(2), R, R, shard(2), shard(2))))
+    k, v = _val(node.args[2]), _val(node.args[3])
+    if shard(2) in A[1]:
+        res += _seq_strategies(node, q, k, v, n, backward=True)
     for dim in (1, 0):
         if (dim == 1 and _heads_split(q, k, n)) or (any(shard(dim) in A[j] for j in range(6)) and dim == 0
                                                      and can_shard(q.shape[0], 1, n) and can_shard(k.shape[0], 1, n)):
             m = () if mask is None else ((shard(dim) if mask.shape[dim] == q.shape[dim] and mask.ndim == 4 else R),)
-            res.append(Strategy((shard(dim),) * 3, (shard(dim),) * 6 + m, introduces=dim == 1))
+            res.append(Strategy((shard(dim),) * 3, (shard(dim),) * 6 + m, introduces=dim == 1,
+                                kernel="ulysses" if dim == 1 else "batch"))
     return res
 
 

@@ -29,7 +29,7 @@ from ..errors import PlanError, UnsupportedOpError
 from ._placement import P, R, can_shard, is_shard, nbytes, redistribute_kind, shard, shard_spec, transfer_bytes
 from ._rules import VIEW_OPS, Strategy, out_vals, strategies_for, tensor_inputs
 
-__all__ = ["Candidates", "propagate", "solve", "Choice"]
+__all__ = ["Candidates", "propagate", "solve", "Choice", "ATTENTION_KERNELS"]
 
 
 @dataclass(slots=True)
@@ -72,15 +72,34 @@ def _justified(s: Strategy, reach) -> bool:
     return any(q != R and _activation(reach[j]) for j, q in enumerate(s.ins))
 
 
-def propagate(gm: fx.GraphModule, n: int, mesh=None) -> Candidates:
+def propagate(gm: fx.GraphModule, n: int, mesh=None, attention: str = "auto") -> Candidates:
     """Forward from the annotations, back from what ops ask of their inputs, forward again
     (Shardy's bidirectional propagation, two sweeps): attention asks for heads, and that request
-    travels back through the reshapes of grouped-query K/V to where it is cheapest to meet."""
-    first = _forward(gm, n, mesh, {})
-    return _forward(gm, n, mesh, _wants(gm, first, n, mesh))
+    travels back through the reshapes of grouped-query K/V to where it is cheapest to meet.
+    ``attention`` other than "auto" keeps only that kernel's strategies for attention ops."""
+    first = _forward(gm, n, mesh, {}, attention)
+    return _forward(gm, n, mesh, _wants(gm, first, n, mesh), attention)
 
 
-def _forward(gm: fx.GraphModule, n: int, mesh, wanted: dict) -> Candidates:
+ATTENTION_KERNELS = ("auto", "ulysses", "ring", "kv_gather")
+
+
+def _forced(node: fx.Node, strats: list[Strategy], attention: str) -> list[Strategy]:
+    """The strategies of the forced attention kernel (attention ops only, and only while the
+    query's sequence reached it: before that, the op runs replicated as it would anyway)."""
+    if attention == "auto" or not any(s.kernel for s in strats):
+        return strats
+    kept = [s for s in strats if s.kernel == attention]
+    if not kept:
+        have = sorted({s.kernel for s in strats if s.kernel})
+        raise PlanError(node, f"attention={attention!r} cannot run this attention op exactly (it can run as {have}); "
+                        "ring and kv_gather need self-attention without a mask tensor or dropout, ulysses needs "
+                        "head counts that split over the ranks",
+                        f"use attention='auto' or one of {have}")
+    return kept
+
+
+def _forward(gm: fx.GraphModule, n: int, mesh, wanted: dict, attention: str = "auto") -> Candidates:
     c = Candidates()
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "get_attr"):  # inputs, and constants lifted into the graph
@@ -107,7 +126,7 @@ def _forward(gm: fx.GraphModule, n: int, mesh, wanted: dict) -> Candidates:
         if strats is None:
             c.no_rule.add(node)
             strats = [Strategy(tuple(R if v is not None else None for v in out_vals(node)), tuple(R for _ in ins))]
-        strats = [s for s in strats if _justified(s, reach)]
+        strats = _forced(node, [s for s in strats if _justified(s, reach)], attention)
         c.strategies[node] = strats
         for i, v in enumerate(out_vals(node)):
             if v is not None:
@@ -179,7 +198,9 @@ def solve(gm: fx.GraphModule, c: Candidates, n: int, *, mem_weight: float = 4.0,
     for nd in nodes:
         for k, s in enumerate(c.strategies[nd]):
             xi[(nd, k)] = len(cost)
-            cost.append(mem_weight * _out_bytes(c, nd, s, n, seq_weight))
+            # a kernel's own traffic and buffers (ring attention's K/V passes, gathered K/V held for
+            # the backward) are K/V-sized: they carry the sequence once
+            cost.append(mem_weight * _out_bytes(c, nd, s, n, seq_weight) + (s.comm + mem_weight * s.held) * seq_weight)
     nx = len(cost)
     rows, cols, vals, rhs = [], [], [], []
     nrow = 0

@@ -502,7 +502,7 @@ def ring_kernel(S: int, causal: bool, dtype: torch.dtype = torch.float64, heads:
     """Ring attention's forward and backward on this rank's chunks of q, k, v (and of the output's
     gradient) against the CPU attention kernel on the whole sequence: the largest error of the
     output, log-sum-exp and the three gradients, relative, and the gloo collectives that ran."""
-    from autosp.partition._attention import _bounds, ring_attention, ring_attention_backward
+    from autosp.partition._attention import _bounds, ring_attention, ring_attention_backward, ring_bytes
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
     g = torch.Generator().manual_seed(S)
@@ -518,7 +518,29 @@ def ring_kernel(S: int, causal: bool, dtype: torch.dtype = torch.float64, heads:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         o, l = ring_attention(*mine[:3], **kw)
         grads = ring_attention_backward(mine[3], *mine[:3], out.narrow(2, a, b - a), lse.narrow(2, a, b - a), **kw)
+        o, l, *grads = (x * 1 for x in (o, l, *grads))  # waits for the last exchanges inside the profile
     # relative to the whole reference (a row's own gradient can be 0: one query seeing one key)
     errs = [((x - y.narrow(2, a, b - a)).abs().max() / y.abs().max()).item() if x.numel() else 0.0
             for x, y in zip((o, l, *grads), ref)]
-    return {"err": max(errs), "errs": errs, "events": _gloo_events(prof)}
+    events = _gloo_events(prof)
+    return {"err": max(errs), "events": events, "sent": sum(numel for _, numel in events) * q.element_size(),
+            "planned": sum(ring_bytes(q, k, v, n, causal))}
+
+
+def schedule_mismatch() -> str:
+    """Partitioned graphs that issue a different number of collectives on each rank (traced on
+    fake tensors, so nothing runs): the schedule check must refuse them on every rank."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from autosp.backend._backend import _check_same_schedule
+    with autosp.mesh() as m:
+        def f(x):
+            for _ in range(1 + dist.get_rank()):
+                x = funcol.all_reduce(x, "sum", m.sp_group.group_name)
+            return x * 1
+        gm = make_fx(f, tracing_mode="fake")(torch.ones(2))
+        try:
+            _check_same_schedule(gm, gm, m)
+        except autosp.PlanError as e:
+            return str(e)
+    return ""

@@ -87,6 +87,14 @@ def test_ranks_with_different_shapes_fail_with_a_message_not_a_hang(pools):
         assert "PlanError" in m and "different plans" in m, m
 
 
+def test_ranks_whose_graphs_issue_different_collectives_fail_before_running(pools):
+    """The per-rank graphs differ (uneven shards, ring attention's blocks) and the partitioner
+    splits each rank's on its own: graphs whose collectives differ between ranks are refused
+    at compile time, on every rank, instead of hanging in the first step."""
+    for msg in pools(2).run(cases.schedule_mismatch):
+        assert "issue different collectives (forward, backward counts per rank: [('1', '1'), ('2', '2')])" in msg, msg
+
+
 def test_a_rank_that_skips_the_step_fails_the_others_within_the_timeout():
     """No hang: rank 0 waits for rank 1 at compile time, and gets an error after timeout_s."""
     from _pool import Pool

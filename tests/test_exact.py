@@ -72,27 +72,38 @@ def test_fewer_kv_heads_than_ranks_stays_exact(pools, world):
         assert max(r["grad_err"].values()) <= 1e-5
 
 
-@pytest.mark.parametrize("L", [96, 93])
-def test_fewer_query_heads_than_ranks_gathers_kv_and_stays_exact(pools, L):
-    """2 query heads over 4 ranks cannot be split by head: the query stays sequence-sharded, K/V
-    are all-gathered and their gradients reduce-scattered (causal blocks merged by log-sum-exp);
-    exact, also with uneven shards (93 tokens: 24, 23, 23, 23)."""
-    for r in pools(4).run(cases.exactness, "llama_2h", 1, L, 1):
+@pytest.mark.parametrize("L,attention", [(96, "auto"), (93, "auto"), (93, "kv_gather")])
+def test_fewer_query_heads_than_ranks_stay_exact(pools, L, attention):
+    """2 query heads over 4 ranks cannot be split by head: the query stays sequence-sharded and
+    attention runs as a ring (K/V chunks passed around, causal zigzag), or, forced, against
+    all-gathered K/V whose gradients are reduce-scattered; exact, also with uneven shards (93
+    tokens: 24, 23, 23, 23)."""
+    for r in pools(4).run(cases.exactness, "llama_2h", 1, L, 1, "aot_eager", torch.float32, "cpu", "auto", attention):
         loss, loss_ref = r["loss"]
         assert abs(loss - loss_ref) <= 1e-5 * abs(loss_ref)
         worst = max(r["grad_err"].items(), key=lambda kv: kv[1])
         assert worst[1] <= 1e-5, worst
-        assert r["planned"]
+        assert ("ring" in r["kinds"]) == (attention == "auto"), r["kinds"]
 
 
-def test_grouped_query_heads_inside_the_op_gather_kv_and_stay_exact(pools):
+def test_ring_attention_adamw_trajectory_matches_single_device_fp64(pools):
+    """Ring attention forced on a model whose heads split (4 ranks, uneven 93 tokens): the
+    parameters after 3 AdamW steps equal one device's (fp64, 1e-10)."""
+    for r in pools(4).run(cases.exactness, "llama", 2, 93, 3, "aot_eager", torch.float64, "cpu", "auto", "ring"):
+        assert r["kinds"] == ["all_reduce", "ring"], r["kinds"]
+        assert r["param_err"] <= 1e-10
+        assert max(r["grad_err"].values()) <= 1e-10
+
+
+def test_grouped_query_heads_inside_the_op_stay_exact(pools):
     """6 query heads and 2 K/V heads inside the attention op (enable_gqa) over 4 ranks: no head
-    split keeps query head j with its K/V head, so K/V are gathered; 45 tokens (uneven)."""
+    split keeps query head j with its K/V head, so attention runs as a ring, the K/V chunks at
+    their own 2 heads; 45 tokens (uneven)."""
     for r in pools(4).run(cases.gqa_op_exactness, 45):
         loss, ref = r["loss"]
         assert abs(loss - ref) <= 1e-5 * abs(ref)
         assert r["grad_err"] <= 1e-5
-        assert any("K/V are all-gathered" in note for note in r["notes"]), r["notes"]
+        assert any("6 query / 2 K/V heads do not split over sp=4: ring attention" in note for note in r["notes"]), r["notes"]
 
 
 @pytest.mark.parametrize("kind", ["llama_6h", "llama_6h_manual"])

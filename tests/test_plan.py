@@ -13,12 +13,13 @@ CONFIGS = [(2, 4, 2, 64), (4, 8, 4, 64), (8, 16, 8, 128)]
 L, LAYERS = 96, 2
 
 
-def _plan(world, heads, kv, dim, attn, b=1):
+def _plan(world, heads, kv, dim, attn, b=1, attention="auto"):
     torch.manual_seed(0)
     model = Llama(LlamaConfig(heads=heads, kv_heads=kv, dim=dim, layers=LAYERS, attn=attn))
     ids = torch.randint(0, 256, (b, L))
     with autosp.mesh(sp=world):
-        step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager")
+        step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager",
+                            attention=attention)
         return model, autosp.explain(step, ids, ids)
 
 
@@ -93,13 +94,43 @@ def test_uneven_heads_plan_is_ulysses_with_an_uneven_split(fake_world, attn):
     assert kinds == {"all_to_all", "all_reduce"}, kinds
 
 
-def test_heads_that_cannot_split_gather_kv_not_activations(fake_world):
-    """2 query heads (1 K/V head) over 4 ranks: no all-to-all and no gather of the query or of
-    any activation; per layer K and V are all-gathered once forward (before the expansion to the
-    query heads: at their own head count) and their gradients reduce-scattered backward, and
+def test_heads_that_cannot_split_run_ring_attention_by_default(fake_world):
+    """2 query heads (1 K/V head) over 4 ranks: the plan keeps every activation sequence-sharded
+    and runs attention as a ring (no all-to-all, no gather: whole K/V are never held on a rank);
+    one ring row per attention op and pass, charged the bytes of the kernel's schedule, and
     ``explain`` says so."""
+    from autosp.partition._attention import ring_bytes
     fake_world(4)
     model, plan = _plan(4, 2, 1, 64, "sdpa")
+    kinds = Counter((c.kind, c.backward) for c in plan.collectives)
+    assert set(kinds) == {("ring", False), ("ring", True), ("all_reduce", False), ("all_reduce", True)}, kinds
+    assert kinds[("ring", False)] == kinds[("ring", True)] == LAYERS
+    q = k = torch.empty(1, 2, L, 32)  # K/V reach the op expanded to the query heads
+    fwd, bwd = ring_bytes(q, k, k, 4, True)
+    assert {c.bytes_per_rank for c in plan.collectives if c.kind == "ring"} == {fwd, bwd}
+    assert sum("ring attention" in note and "zigzag" in note for note in plan.notes) == LAYERS
+
+
+def test_attention_kernel_can_be_forced(fake_world):
+    """``attention="ring"`` runs a model whose heads split as a ring too (no all-to-all);
+    "ulysses" where the heads cannot split is an error naming the op and the kernels that can run
+    it; an unknown name is refused."""
+    fake_world(4)
+    _, plan = _plan(4, 8, 4, 64, "sdpa", attention="ring")
+    assert {c.kind for c in plan.collectives} == {"ring", "all_reduce"}, str(plan)
+    with pytest.raises(autosp.PlanError, match=r"attention='ulysses' cannot run this attention op.*'kv_gather', 'ring'"):
+        _plan(4, 2, 1, 64, "sdpa", attention="ulysses")
+    with pytest.raises(ValueError, match="attention='zigzag'; use one of"):
+        autosp.shard(lambda x: x, attention="zigzag")
+
+
+def test_heads_that_cannot_split_gather_kv_when_forced(fake_world):
+    """2 query heads (1 K/V head) over 4 ranks with ``attention="kv_gather"``: no all-to-all and
+    no gather of the query or of any activation; per layer K and V are all-gathered once forward
+    (before the expansion to the query heads: at their own head count) and their gradients
+    reduce-scattered backward, and ``explain`` says so."""
+    fake_world(4)
+    model, plan = _plan(4, 2, 1, 64, "sdpa", attention="kv_gather")
     kinds = Counter((c.kind, c.backward) for c in plan.collectives)
     assert kinds[("all_to_all", False)] == kinds[("all_to_all", True)] == 0
     assert kinds[("all_gather", False)] == 2 * LAYERS and kinds[("all_gather", True)] == 0, kinds

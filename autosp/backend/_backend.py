@@ -128,6 +128,27 @@ def _largest_peaks(mesh):
     return largest
 
 
+def _collective_order(*graphs: fx.GraphModule) -> list[list[str]]:
+    """The collectives each graph issues, in order (op and process group)."""
+    return [[f"{nd.target}@{nd.args[-1]}" for nd in g.graph.nodes
+             if nd.op == "call_function" and "_c10d_functional" in str(nd.target) and "wait_tensor" not in str(nd.target)]
+            for g in graphs]
+
+
+def _check_same_schedule(fw: fx.GraphModule, bw: fx.GraphModule, mesh) -> None:
+    """The partitioned graphs must issue the same collectives in the same order on every rank.
+    The per-rank graphs differ in their compute (uneven shards, ring attention's blocks), and the
+    partitioner decides per rank which graph a node goes to, so a difference here would be a
+    hang in the first step: make it an error now."""
+    order = _collective_order(fw, bw)
+    got = _exchange(mesh, "schedule", hashlib.sha256(repr(order).encode()).hexdigest() + f" {len(order[0])} {len(order[1])}")
+    if got is not None and len({g.split()[0] for g in got}) != 1:
+        raise PlanError(None, "the sp ranks' partitioned graphs issue different collectives (forward, backward counts "
+                        f"per rank: {[tuple(g.split()[1:]) for g in got]}); running them would hang",
+                        "this is an autosp bug; please report it with AUTOSP_DEBUG=1 output. checkpoint='none' may "
+                        "avoid it meanwhile")
+
+
 def _check_same_plan(plan: Plan, mesh) -> None:
     """Every rank must run the same collectives: compare plan fingerprints once per compile, so a
     divergence is an error here rather than a hang (or a gloo abort) in the first step.
@@ -167,6 +188,7 @@ def make_backend(mesh, options: Options, on_plan: Callable[[Plan], None] | None 
                                             every_rung=options.every_rung, free_saved=options.compiler == "inductor",
                                             largest=_largest_peaks(mesh), **kwargs)
         _debug("checkpoint (backward graph)", bw, t0)
+        _check_same_schedule(fw, bw, mesh)
         if on_plan is not None:
             on_plan(dataclasses.replace(plan, memory=ckpt.memory, checkpoint=ckpt))
         return fw, bw

@@ -135,29 +135,35 @@ def _after(flat: torch.Tensor, after: torch.Tensor | None) -> torch.Tensor:
 
 
 def _move(ts: list[torch.Tensor], have: list[tuple[int, int, int]], want: list[tuple[int, int, int]],
-          n: int, group, after: torch.Tensor | None = None) -> list[list[torch.Tensor]]:
+          n: int, rank: int, group, after: torch.Tensor | None = None) -> list[list[torch.Tensor]]:
     """Move row segments between ranks in one ``all_to_all_single``. ``have``: (segment, dst,
     rows) of each local segment, laid out in that order along dim 2; ``want``: (segment, src,
     rows) of the segments to receive. The tensors ((B, H, S, D) or a log-sum-exp's (B, H, S), one
-    dtype) travel packed along their last dim. Returns, per tensor, the received segments in
-    ``want`` order."""
+    dtype) travel packed along their last dim; a segment that stays on this rank is not sent.
+    Returns, per tensor, the received segments in ``want`` order."""
     packed = torch.cat([t if t.ndim == 4 else t.unsqueeze(-1) for t in ts], dim=-1)
     lead, width = packed.shape[:2], packed.shape[-1]
+    row = math.prod(lead) * width
     offs = [0]
     for _, _, rows in have:
         offs.append(offs[-1] + rows)
-    order = sorted(range(len(have)), key=lambda i: (have[i][1], have[i][0]))
-    send = [0] * n
-    for i in order:
-        send[have[i][1]] += have[i][2] * math.prod(lead) * width
-    flat = _after(torch.cat([_rows(packed, offs[i], offs[i + 1]).reshape(-1) for i in order]), after)
-    recv_order = sorted(want, key=lambda w: (w[1], w[0]))
-    recv = [0] * n
-    for _, src, rows in recv_order:
-        recv[src] += rows * math.prod(lead) * width
+    local = {seg: _rows(packed, offs[i], offs[i + 1]) for i, (seg, dst, _) in enumerate(have) if dst == rank}
+    out_order = sorted((dst, seg, i) for i, (seg, dst, _) in enumerate(have) if dst != rank)
+    in_order = sorted((src, seg, rows) for seg, src, rows in want if src != rank)
+    send, recv = [0] * n, [0] * n
+    for dst, _, i in out_order:
+        send[dst] += have[i][2] * row
+    for src, _, rows in in_order:
+        recv[src] += rows * row
+    flat = _after(torch.cat([_rows(packed, offs[i], offs[i + 1]).reshape(-1) for _, _, i in out_order]
+                            or [packed.new_zeros(0)]), after)
     got = funcol.all_to_all_single(flat, recv, send, group)
-    pieces = dict(zip([w[0] for w in recv_order],
-                      (p.reshape(*lead, w[2], width) for p, w in zip(got.split([w[2] * math.prod(lead) * width for w in recv_order]), recv_order))))
+    pieces = dict(local)
+    for (_, seg, rows), p in zip(in_order, got.split([rows * row for _, _, rows in in_order])):
+        pieces[seg] = p.reshape(*lead, rows, width)
+    if not in_order:  # keep the exchange in the graph on this rank too (see ``_tie``)
+        seg = want[0][0]
+        pieces[seg] = _tie(pieces[seg], got)
     out, col = [], 0
     for t in ts:
         w = t.shape[-1] if t.ndim == 4 else 1
@@ -188,13 +194,13 @@ def _by_dtype(ts: list, move) -> list:
 
 def _to_zigzag(ts: list[torch.Tensor], S: int, n: int, rank: int, group, after=None) -> list[list[torch.Tensor]]:
     """This rank's zigzag query half-chunks of each tensor."""
-    return _by_dtype(ts, lambda g: _move(g, *_zigzag_moves(S, n, rank, False), n, group, after))
+    return _by_dtype(ts, lambda g: _move(g, *_zigzag_moves(S, n, rank, False), n, rank, group, after))
 
 
 def _from_zigzag(ts: list[torch.Tensor], S: int, n: int, rank: int, group, after=None) -> list[torch.Tensor]:
     """The contiguous chunks back from tensors holding this rank's two zigzag half-chunks."""
     return _by_dtype(ts, lambda g: [torch.cat(x, dim=2)
-                                    for x in _move(g, *_zigzag_moves(S, n, rank, True), n, group, after)])
+                                    for x in _move(g, *_zigzag_moves(S, n, rank, True), n, rank, group, after)])
 
 
 def _shift(ts: list[torch.Tensor], shapes: list[list[int]], n: int, rank: int, group,
@@ -232,15 +238,18 @@ def _uses(S: int, n: int, rank: int, j: int, causal: bool) -> bool:
     return any(_blocks(qa, qb, ka, kb, causal) for qa, qb in _ranges(S, n, rank, causal))
 
 
+def _kv_sends(S: int, n: int, rank: int, t: int, causal: bool) -> bool:
+    """Whether rank sends its K/V chunk on at step t: always, but at the last pass only where the
+    next rank uses it (nothing is forwarded after that)."""
+    return t < n - 2 or _uses(S, n, (rank + 1) % n, (rank - t) % n, causal)
+
+
 def _next_kv(kc, vc, k, v, S: int, n: int, rank: int, t: int, group, causal: bool, after=None):
-    """Step t's K/V pass: this rank's chunk to the next rank, the previous rank's to this one. At
-    the last step a chunk goes only where it is used (nothing is forwarded after it)."""
+    """Step t's K/V pass: this rank's chunk to the next rank, the previous rank's to this one."""
     bounds = _bounds(S, n)
     src = (rank - t - 1) % n
     rows = bounds[src][1] - bounds[src][0]
-    last = t == n - 2
-    send = not last or _uses(S, n, (rank + 1) % n, (rank - t) % n, causal)
-    recv = not last or _uses(S, n, rank, src, causal)
+    send, recv = _kv_sends(S, n, rank, t, causal), _kv_sends(S, n, (rank - 1) % n, t, causal)
     return _shift([kc, vc], [_chunk_shape(k, rows), _chunk_shape(v, rows)], n, rank, group, send, recv, after), recv
 
 
@@ -335,16 +344,18 @@ def ring_attention_backward(grad_out, q, k, v, out, lse, *, S: int, rank: int, n
 
 def ring_bytes(q, k, v, n: int, causal: bool) -> tuple[float, float]:
     """Bytes a rank sends (averaged over the ranks) in ring attention's forward and backward, for
-    q, k, v of global shapes: the K/V chunks n - 1 times each way, the gradient accumulators n
-    times (in the merge dtype), and under a causal mask the query-side rows that the zigzag moves
-    to another rank (q in, out and log-sum-exp back; grad_out, q, out, log-sum-exp in and grad q
-    back)."""
+    q, k, v of global shapes, following the kernels' schedule: the K/V chunks n - 1 times each way,
+    the gradient accumulators n times (in the merge dtype), and under a causal mask the query-side
+    rows the zigzag moves to another rank (q in, out and log-sum-exp back; grad_out, q, out,
+    log-sum-exp in and grad q back)."""
     item, acc = q.element_size(), _acc(q.dtype).itemsize
     S = q.shape[2]
-    kv = (k.numel() + v.numel()) * item
-    rows = q.shape[0] * q.shape[1]
-    qb, ob, lb = rows * q.shape[3] * item, rows * v.shape[3] * item, rows * acc
+    heads = q.shape[0] * q.shape[1]
+    kv_row = q.shape[0] * (k.shape[1] * k.shape[3] + v.shape[1] * v.shape[3]) * item
+    q_row, o_row, l_row = heads * q.shape[3] * item, heads * v.shape[3] * item, heads * acc
+    rows = [b - a for a, b in _bounds(S, n)]
+    kv = sum(rows[(r - t) % n] * kv_row for r in range(n) for t in range(n - 1) if _kv_sends(S, n, r, t, causal))
     moved = sum(b - a for h, (a, b) in enumerate(_halves(S, n)) if _zigzag_owner(h, n) != h // 2) if causal else 0
-    fwd = (n - 1) / n * kv + moved * (qb + ob + lb) / n
-    bwd = (n - 1) / n * kv + kv * acc / item + moved * (2 * qb + 2 * ob + lb) / n
-    return fwd, bwd
+    fwd = kv + moved * (q_row + o_row + l_row)
+    bwd = kv + n * S * kv_row * acc / item + moved * (2 * q_row + 2 * o_row + l_row)
+    return fwd / n, bwd / n

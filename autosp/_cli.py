@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from .propagate._solver import ATTENTION_KERNELS
+
 __all__ = ["main", "PRESETS", "PlanFit", "trace_plan", "max_sequence"]
 
 # public config.json fields of the models the AutoSP paper reports (no hub access needed)
@@ -88,7 +90,8 @@ def _build_meta(cfg: dict, dtype: torch.dtype, layers: int | None = None):
         return T.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
 
 
-def trace_plan(cfg: dict, *, layers: int, seq: int, batch: int, sp: int, dtype: torch.dtype, policy: str = "auto"):
+def trace_plan(cfg: dict, *, layers: int, seq: int, batch: int, sp: int, dtype: torch.dtype, policy: str = "auto",
+               attention: str = "auto"):
     """``autosp.explain`` of one training step of the model cut to ``layers`` layers, with every
     rung of the checkpointing ladder evaluated."""
     import autosp
@@ -98,7 +101,7 @@ def trace_plan(cfg: dict, *, layers: int, seq: int, batch: int, sp: int, dtype: 
     model = _build_meta(cfg, dtype, layers).to_empty(device="cpu").train()
     ids = torch.zeros(batch, seq, dtype=torch.long)
     step = _Sharded(lambda input_ids, labels: model(input_ids=input_ids, labels=labels).loss, True,
-                    Options(compiler="aot_eager", checkpoint=policy, every_rung=True))
+                    Options(compiler="aot_eager", checkpoint=policy, every_rung=True, attention=attention))
     with autosp.mesh(sp=sp):
         return autosp.explain(step, ids, ids)
 
@@ -113,8 +116,9 @@ class PlanFit:
     one, so answers are confirmed by a trace at (or next to) their own length. Attention's cost is
     quadratic in the length."""
 
-    def __init__(self, cfg: dict, *, sp: int, seqs: tuple[int, int], batch: int, dtype: torch.dtype):
-        self.cfg, self.sp, self.batch, self.dtype = cfg, sp, batch, dtype
+    def __init__(self, cfg: dict, *, sp: int, seqs: tuple[int, int], batch: int, dtype: torch.dtype,
+                 attention: str = "auto"):
+        self.cfg, self.sp, self.batch, self.dtype, self.attention = cfg, sp, batch, dtype, attention
         self.layers, self.seqs = cfg["num_hidden_layers"], seqs
         self.plans: dict = {}
         for s in seqs:
@@ -124,7 +128,7 @@ class PlanFit:
         for k in (1, 2):
             if (k, seq) not in self.plans:
                 self.plans[(k, seq)] = trace_plan(self.cfg, layers=k, seq=seq, batch=self.batch, sp=self.sp,
-                                                  dtype=self.dtype)
+                                                  dtype=self.dtype, attention=self.attention)
 
     def refine(self, seq: int) -> None:
         """Trace at ``seq`` and fit from it and the nearest other traced length."""
@@ -180,21 +184,31 @@ def max_sequence(fit: PlanFit, policy: str, *, budget: int, static: int, granule
         t = fit.at(seq, policy)
         return t if static + t.activations <= budget else None
 
-    def bisect() -> int:
-        if fits(granule) is None:
-            return 0
-        lo, high = granule, granule
-        while high < hi and fits(high) is not None:
-            lo, high = high, high * 2
+    def between(lo: int, high: int) -> int:
+        """Bisection between a length that fits (``lo``, or 0) and one that does not."""
         while high - lo > granule:
             mid = (lo + high) // 2 // granule * granule
+            if mid <= lo:
+                break
             lo, high = (mid, high) if fits(mid) is not None else (lo, mid)
         return lo
 
-    seq = bisect()
-    if seq:  # confirm with a trace at the answer, and bisect again from there
+    def search(seq: int) -> int:
+        """The longest fitting length, by steps doubling away from ``seq`` (up while it fits, down
+        while it does not), then bisection: the fit is local to where it was last traced."""
+        step = granule
+        if fits(seq) is not None:
+            while seq + step < hi and fits(seq + step) is not None:
+                seq, step = seq + step, step * 2
+            return between(seq, min(seq + step, hi))
+        while seq - step > 0 and fits(seq - step) is None:
+            seq, step = seq - step, step * 2
+        return between(max(seq - step, 0), seq)
+
+    seq = search(max(granule, fit.seqs[0] // granule * granule))  # from where the fit was traced
+    if seq:  # confirm with a trace at the answer, and search again from there
         fit.refine(seq)
-        seq = bisect()
+        seq = search(seq)
     return seq, (fits(seq) if seq else None)
 
 
@@ -211,6 +225,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
     p.add_argument("--optimizer", default="adamw", choices=sorted(_OPTIMIZER_STATE))
     p.add_argument("--checkpoint", default=",".join(_POLICIES), help="comma-separated: none, auto, full")
+    p.add_argument("--attention", default="auto", choices=list(ATTENTION_KERNELS),
+                   help="attention kernel: chosen by cost (auto) or forced")
     args = ap.parse_args(argv)
     from torch.testing._internal.distributed.fake_pg import FakeStore
     import torch.distributed as dist
@@ -232,7 +248,10 @@ def main(argv=None) -> int:
           f"parameters {gib(params)} and optimizer state {gib(opt)} per rank")
     granule = 256 * args.sp
     base = args.seq or 16 * granule
-    fit = PlanFit(cfg, sp=args.sp, seqs=(base, 2 * base), batch=args.batch, dtype=dtype)
+    fit = PlanFit(cfg, sp=args.sp, seqs=(base, 2 * base), batch=args.batch, dtype=dtype, attention=args.attention)
+    kernels = sorted({note.split(": ")[-1].split(",")[0].split(" (")[0] for note in fit.plans[(1, base)].notes
+                      if note.startswith("attention at")})
+    print(f"attention ({args.attention}): " + ("; ".join(kernels) if kernels else "Ulysses, heads split evenly"))
     if args.seq:
         fit.refine(args.seq)
         print(f"at {args.seq} tokens ({args.seq // args.sp} per rank):")

@@ -73,14 +73,18 @@ def context_parallel(model, ids, labels, mesh, compiler):
     return run
 
 
-def autosp_step(model, ids, labels, mesh, compiler):
-    step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler=compiler)
+def _autosp(attention: str):
+    """autosp with its attention kernel chosen by cost ("auto") or forced ("ring", "kv_gather")."""
+    def factory(model, ids, labels, mesh, compiler):
+        step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler=compiler,
+                            attention=attention)
 
-    def run():
-        loss = step(ids, labels)
-        loss.backward()
-        return loss.item()
-    return run
+        def run():
+            loss = step(ids, labels)
+            loss.backward()
+            return loss.item()
+        return run
+    return factory
 
 
 SYSTEMS: dict[str, Callable] = {
@@ -89,5 +93,7 @@ SYSTEMS: dict[str, Callable] = {
     "ulysses_compiled": _ulysses(True),
     "dtensor": dtensor,
     "context_parallel": context_parallel,
-    "autosp": autosp_step,
+    "autosp": _autosp("auto"),
+    "autosp_ring": _autosp("ring"),
+    "autosp_kv_gather": _autosp("kv_gather"),
 }

@@ -202,6 +202,24 @@ def _tagged_copy(gm: fx.GraphModule, tags: dict[str, CheckpointPolicy], regions:
     return copy
 
 
+def _attention_merges(fwd: dict[fx.Node, str], kinds: dict[fx.Node, str]) -> set[fx.Node]:
+    """The ops that merge blockwise attention results (ring attention, gathered K/V): compute
+    ops fed, without a view between, by an attention kernel's output or log-sum-exp and of the
+    same size. They make the attention output: kept, like the kernel's own, or recomputing them
+    would save every block's partial output instead."""
+    out: set[fx.Node] = set()
+    todo = [(g, g.meta["val"].numel()) for nd in fwd if kinds[nd] == "attention" for g in nd.users
+            if kinds.get(g) == "getitem" and isinstance(g.meta.get("val"), torch.Tensor)]
+    while todo:
+        nd, numel = todo.pop()
+        for u in nd.users:
+            if u not in out and kinds.get(u) == "compute" and isinstance(u.meta.get("val"), torch.Tensor) \
+                    and u.meta["val"].numel() == numel:
+                out.add(u)
+                todo.append((u, numel))
+    return out
+
+
 def _ladder(gm: fx.GraphModule, cost: dict[str, float]) -> tuple[list[tuple[str, dict[str, CheckpointPolicy]]],
                                                                  dict[str, int]]:
     fwd = _forward_ops(gm)
@@ -209,7 +227,8 @@ def _ladder(gm: fx.GraphModule, cost: dict[str, float]) -> tuple[list[tuple[str,
     regions = {nd.name: region_ids[r] for nd, r in fwd.items()}
     kinds = {nd: _kind(nd) for nd in fwd}
     per_byte = {nd.name: cost[nd.name] / max(_nbytes(nd), 1) for nd in fwd if kinds[nd] == "compute"}
-    keep = {nd.name: CheckpointPolicy.MUST_SAVE for nd in fwd if kinds[nd] in ("attention", "random")}
+    merges = _attention_merges(fwd, kinds)
+    keep = {nd.name: CheckpointPolicy.MUST_SAVE for nd in fwd if kinds[nd] in ("attention", "random") or nd in merges}
     views = {nd.name: CheckpointPolicy.PREFER_RECOMPUTE for nd in fwd if kinds[nd] == "view"}
     getitems = [nd for nd in fwd if kinds[nd] == "getitem"]
 

@@ -635,25 +635,21 @@ def _is_causal(node) -> bool:
 
 
 def _seq_strategies(node, q, k, v, n, backward: bool) -> list[Strategy]:
-    """Sequence-sharded attention, offered wherever it is exact: ring attention always, K/V
-    gathered only where no head split exists (it holds whole K/V on every rank). The solver
-    weighs them against Ulysses by the bytes each sends and holds."""
+    """Sequence-sharded attention, offered wherever it is exact: ring attention, and attention
+    against all-gathered K/V (which holds whole K/V on every rank, saved for the backward). The
+    solver weighs them against Ulysses by the bytes each sends and holds."""
     if not _seq_attention_ok(node, q, k):
         return []
     from ..partition._attention import ring_bytes
     fwd, bwd = ring_bytes(q, k, v, n, _is_causal(node))
     s2 = shard(2)
     if backward:
-        res = [Strategy((s2, s2, s2), (s2,) * 6, kernel="ring", comm=bwd)]
-        if not _heads_split(q, k, n):  # the gathered K/V's gradients: partial sums over query shards
-            res.append(Strategy((s2, P, P), (s2, s2, R, R, s2, s2), kernel="kv_gather"))
-        return res
-    res = [Strategy((s2, s2), (s2, s2, s2), kernel="ring", comm=fwd,
-                    held=(k.numel() + v.numel()) * k.element_size() / n)]  # one chunk in flight
-    if not _heads_split(q, k, n):
-        res.append(Strategy((s2, s2), (s2, R, R), kernel="kv_gather",
-                            held=(k.numel() + v.numel()) * k.element_size() * (n - 1) / n))
-    return res
+        # the gathered K/V's gradients: partial sums over the query shards
+        return [Strategy((s2, s2, s2), (s2,) * 6, kernel="ring", comm=bwd),
+                Strategy((s2, P, P), (s2, s2, R, R, s2, s2), kernel="kv_gather")]
+    kv = (k.numel() + v.numel()) * k.element_size()
+    return [Strategy((s2, s2), (s2, s2, s2), kernel="ring", comm=fwd, held=kv / n),  # one chunk in flight
+            Strategy((s2, s2), (s2, R, R), kernel="kv_gather", held=kv * (n - 1) / n)]
 
 
 @rule(aten._scaled_dot_product_flash_attention_for_cpu.default)

@@ -219,7 +219,7 @@ def annotated_exactness() -> tuple[float, float, list]:
     return loss.item(), ref.item(), [(c.kind, c.source) for c in sharded.plan.collectives if c.kind == "all_gather"]
 
 
-def _hf_compare(model, ref, ids: torch.Tensor, labels: torch.Tensor, **kwargs) -> dict:
+def _hf_compare(model, ref, ids: torch.Tensor, labels: torch.Tensor, attention: str = "auto", **kwargs) -> dict:
     """Train one step of an HF causal LM through autosp and the same on one device; the loss pair,
     each gradient's relative error, and the plan's collective kinds. A gradient that is zero in
     exact arithmetic (an attention key bias: softmax ignores a shift of every score in a row) is
@@ -228,7 +228,8 @@ def _hf_compare(model, ref, ids: torch.Tensor, labels: torch.Tensor, **kwargs) -
         return m(input_ids=input_ids, labels=labels, **kw).loss
 
     with autosp.mesh():
-        step = autosp.shard(lambda input_ids, labels, **kw: call(model, input_ids, labels, **kw), compiler="aot_eager")
+        step = autosp.shard(lambda input_ids, labels, **kw: call(model, input_ids, labels, **kw), compiler="aot_eager",
+                            attention=attention)
         loss = step(ids, labels, **kwargs)
         loss.backward()
         kinds = sorted({c.kind for c in step.plan.collectives})
@@ -350,7 +351,7 @@ def low_precision(mode: str, b: int, L: int) -> dict:
             "planned": step.plan is not None}
 
 
-def hf_masked_exactness(arch: str, attn: str, kind: str, b: int, L: int) -> dict:
+def hf_masked_exactness(arch: str, attn: str, kind: str, b: int, L: int, attention: str = "auto") -> dict:
     """A Hugging Face causal LM fed what real batches carry: a padding ``attention_mask`` (kind
     "right" or "left", rows padded by different amounts, labels -100 on the padding) or packed
     documents whose ``position_ids`` restart at each document start ("packed": HF builds the
@@ -379,7 +380,7 @@ def hf_masked_exactness(arch: str, attn: str, kind: str, b: int, L: int) -> dict
         labels[:, starts] = -100  # no prediction across a document boundary
     else:
         raise ValueError(kind)
-    return _hf_compare(model, ref, ids, labels, **kwargs)
+    return _hf_compare(model, ref, ids, labels, attention, **kwargs)
 
 
 def random_hf_exactness(cfg: dict) -> dict:
@@ -498,10 +499,24 @@ def largest_peaks() -> list[int]:
         return _largest_peaks(m)([100 + r, 50 - r, 10 * (r + 1)])
 
 
-def ring_kernel(S: int, causal: bool, dtype: torch.dtype = torch.float64, heads: tuple[int, int] = (3, 3)) -> dict:
+def _document_mask(S: int, dtype: torch.dtype) -> torch.Tensor:
+    """A document-causal additive mask (documents start at S/3 + 1 and S/2 + 3) with query row 1
+    masked out entirely (-inf everywhere: the kernel's out and log-sum-exp are 0 there)."""
+    doc = torch.zeros(S, dtype=torch.long)
+    doc[S // 3 + 1:] += 1
+    doc[S // 2 + 3:] += 1
+    i = torch.arange(S)
+    ok = (doc[:, None] == doc[None, :]) & (i[None, :] <= i[:, None])
+    ok[1] = False
+    return torch.zeros(S, S, dtype=dtype).masked_fill(~ok, float("-inf")).expand(2, 1, S, S)
+
+
+def ring_kernel(S: int, causal: bool, dtype: torch.dtype = torch.float64, heads: tuple[int, int] = (3, 3),
+                mask: bool = False) -> dict:
     """Ring attention's forward and backward on this rank's chunks of q, k, v (and of the output's
     gradient) against the CPU attention kernel on the whole sequence: the largest error of the
-    output, log-sum-exp and the three gradients, relative, and the gloo collectives that ran."""
+    output, log-sum-exp and the three gradients, relative, and the gloo collectives that ran.
+    ``mask``: a document mask (``_document_mask``) instead of ``causal``."""
     from autosp.partition._attention import _bounds, ring_attention, ring_attention_backward, ring_bytes
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -509,12 +524,13 @@ def ring_kernel(S: int, causal: bool, dtype: torch.dtype = torch.float64, heads:
     H, KV = heads
     q, go = (torch.randn(2, H, S, 8, generator=g, dtype=dtype) for _ in range(2))
     k, v = (torch.randn(2, KV, S, 8, generator=g, dtype=dtype) for _ in range(2))
-    out, lse = flash(q, k, v, 0.0, causal)[:2]
-    ref = (out, lse, *flash_bwd(go, q, k, v, out, lse, 0.0, causal))
+    m = _document_mask(S, dtype) if mask else None
+    out, lse = flash(q, k, v, 0.0, causal, attn_mask=m)[:2]
+    ref = (out, lse, *flash_bwd(go, q, k, v, out, lse, 0.0, causal, attn_mask=m))
     r, n = dist.get_rank(), dist.get_world_size()
     a, b = _bounds(S, n)[r]
     mine = [t.narrow(2, a, b - a).contiguous() for t in (q, k, v, go)]
-    kw = dict(S=S, rank=r, n=n, group=dist.group.WORLD, is_causal=causal)
+    kw = dict(S=S, rank=r, n=n, group=dist.group.WORLD, is_causal=causal, attn_mask=m)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         o, l = ring_attention(*mine[:3], **kw)
         grads = ring_attention_backward(mine[3], *mine[:3], out.narrow(2, a, b - a), lse.narrow(2, a, b - a), **kw)

@@ -45,6 +45,19 @@ MASKED = [("llama", "sdpa", "right"), ("qwen3", "eager", "left"), ("opt", "sdpa"
           ("gpt2", "sdpa", "packed"), ("llama", "eager", "packed")]
 
 
+@pytest.mark.parametrize("kind,attention,kinds", [("packed", "ring", ["all_reduce", "ring"]),
+                                                  ("right", "kv_gather", ["all_gather", "all_reduce", "reduce_scatter"])])
+def test_hf_masks_with_ring_or_gathered_kv_attention_stay_exact(pools, kind, attention, kinds):
+    """HF Llama (sdpa) with packed documents and with right padding, attention forced to a ring
+    and to gathered K/V: each block reads its rows and columns of the replicated mask; exact on 4
+    ranks, with the kernel's collectives only (K/V gathers for the second)."""
+    for r in pools(4).run(cases.hf_masked_exactness, "llama", "sdpa", kind, 2, 64, attention):
+        loss, ref = r["loss"]
+        assert abs(loss - ref) <= 1e-5 * abs(ref)
+        assert max(r["grad_err"].values()) <= 1e-5
+        assert r["kinds"] == kinds, r["kinds"]
+
+
 @pytest.mark.parametrize("arch,attn,kind", MASKED)
 def test_hf_padding_masks_and_packed_documents_on_4_ranks(pools, arch, attn, kind):
     """A padding attention_mask (left or right, per-row amounts that cross shard boundaries) and

@@ -40,13 +40,16 @@ def _parts(start: int, sq: int, sk: int, causal: bool) -> list[tuple[int, int, b
     return ([(0, start, False)] if start > 0 else []) + [(start, start + sq, True)]
 
 
-def kv_gathered_attention(q, k, v, start: int, is_causal: bool, scale=None):
+def kv_gathered_attention(q, k, v, start: int, is_causal: bool, scale=None, attn_mask=None):
     """(out, logsumexp) of ``_scaled_dot_product_flash_attention_for_cpu`` for query rows
-    ``start ..`` of the sequence, with K and V whole."""
+    ``start ..`` of the sequence, with K and V whole (and the mask, if any, whole)."""
     sq = q.shape[2]
     if sq == 0:  # a rank without tokens (the kernel divides by the row count)
         return q.new_zeros(q.shape[:3] + v.shape[3:]), q.new_zeros(q.shape[:3], dtype=torch.float32 if q.dtype in (
             torch.bfloat16, torch.float16) else q.dtype)
+    if attn_mask is not None:
+        return tuple(aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=_rows(attn_mask, start, start + sq), scale=scale)[:2])
     outs = [aten._scaled_dot_product_flash_attention_for_cpu(q, k[:, :, a:b], v[:, :, a:b], 0.0, c, scale=scale)[:2]
             for a, b, c in _parts(start, sq, k.shape[2], is_causal)]
     if len(outs) == 1:
@@ -57,13 +60,17 @@ def kv_gathered_attention(q, k, v, start: int, is_causal: bool, scale=None):
     return out.to(q.dtype), lse
 
 
-def kv_gathered_attention_backward(grad_out, q, k, v, out, lse, start: int, is_causal: bool, scale=None):
+def kv_gathered_attention_backward(grad_out, q, k, v, out, lse, start: int, is_causal: bool, scale=None,
+                                   attn_mask=None):
     """(grad q, grad k, grad v): grad q for this rank's rows, grad k and v partial (this rank's
     rows' contribution to every key)."""
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     dq = torch.zeros_like(q)
     if q.shape[2] == 0:
         return dq, dk, dv
+    if attn_mask is not None:
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, False, attn_mask=_rows(attn_mask, start, start + q.shape[2]), scale=scale)
     for a, b, c in _parts(start, q.shape[2], k.shape[2], is_causal):
         gq, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k[:, :, a:b], v[:, :, a:b], out, lse, 0.0, c, scale=scale)
@@ -264,9 +271,30 @@ def _query_segments(q_like: list[torch.Tensor], S: int, n: int, rank: int, group
     return _ranges(S, n, rank, causal), _to_zigzag(q_like, S, n, rank, group, after)
 
 
-def ring_attention(q, k, v, *, S: int, rank: int, n: int, group, is_causal: bool, scale=None):
+def _block_mask(mask, qa: int, qb: int, a: int, b: int):
+    return None if mask is None else mask.narrow(-2, qa, qb - qa).narrow(-1, a, b - a)
+
+
+def _masked_lse(lse: torch.Tensor, mask) -> torch.Tensor:
+    """The kernel gives a row whose keys are all masked (-inf) a log-sum-exp of 0: it is -inf,
+    for the merge (the row has no weight in this block)."""
+    if mask is None:
+        return lse
+    return lse.masked_fill((mask == float("-inf")).all(-1).expand(lse.shape), float("-inf"))
+
+
+def _merge(out, lse, o, l):
+    """Two partial attention results over disjoint keys, by their log-sum-exps (rows without any
+    key yet stay at -inf with weight 0)."""
+    m = torch.logaddexp(lse, l)
+    base = m.masked_fill(m == float("-inf"), 0.0)
+    return out * torch.exp(lse - base).unsqueeze(-1) + o * torch.exp(l - base).unsqueeze(-1), m
+
+
+def ring_attention(q, k, v, *, S: int, rank: int, n: int, group, is_causal: bool, scale=None, attn_mask=None):
     """(out, logsumexp) of ``_scaled_dot_product_flash_attention_for_cpu`` for this rank's
-    contiguous chunk of a sequence of ``S``, with q, k, v all sequence-sharded."""
+    contiguous chunk of a sequence of ``S``, with q, k, v all sequence-sharded (and the mask, if
+    any, whole: each block reads its rows and columns)."""
     acc = _acc(q.dtype)
     ranges, (qs,) = _query_segments([q], S, n, rank, group, is_causal)
     outs: list = [None] * len(qs)
@@ -281,15 +309,14 @@ def ring_attention(q, k, v, *, S: int, rank: int, n: int, group, is_causal: bool
         ka, kb = bounds[j]
         for i, ((qa, qb), qt) in enumerate(zip(ranges, qs)):
             for a, b, c in _blocks(qa, qb, ka, kb, is_causal):
+                mask = _block_mask(attn_mask, qa, qb, a, b)
                 o, l = aten._scaled_dot_product_flash_attention_for_cpu(
-                    qt, _rows(kc, a - ka, b - ka), _rows(vc, a - ka, b - ka), 0.0, c, scale=scale)[:2]
-                o, l = o.to(acc), l.to(acc)
+                    qt, _rows(kc, a - ka, b - ka), _rows(vc, a - ka, b - ka), 0.0, c, attn_mask=mask, scale=scale)[:2]
+                o, l = o.to(acc), _masked_lse(l.to(acc), mask)
                 if outs[i] is None:
                     outs[i], lses[i] = o, l
                 else:
-                    m = torch.logaddexp(lses[i], l)
-                    outs[i] = outs[i] * torch.exp(lses[i] - m).unsqueeze(-1) + o * torch.exp(l - m).unsqueeze(-1)
-                    lses[i] = m
+                    outs[i], lses[i] = _merge(outs[i], lses[i], o, l)
         if t < n - 1:
             kc, vc = nxt
             unused = None if used else kc
@@ -298,13 +325,15 @@ def ring_attention(q, k, v, *, S: int, rank: int, n: int, group, is_causal: bool
             outs[i] = qt.new_zeros([*qt.shape[:3], v.shape[3]], dtype=acc)
             lses[i] = qt.new_zeros(qt.shape[:3], dtype=acc)
     out, lse = torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)
+    if attn_mask is not None:  # rows that see no key at all: the kernel's 0
+        lse = lse.masked_fill(lse == float("-inf"), 0.0)
     if unused is not None:
         lse = _tie(lse, unused)
     return (out, lse) if not is_causal else tuple(_from_zigzag([out, lse], S, n, rank, group))
 
 
 def ring_attention_backward(grad_out, q, k, v, out, lse, *, S: int, rank: int, n: int, group, is_causal: bool,
-                            scale=None):
+                            scale=None, attn_mask=None):
     """(grad q, grad k, grad v) of this rank's chunks: K/V travel the ring again, and behind them
     the accumulators of their gradients, which arrive home after the last step. Every exchange
     here depends on ``grad_out`` (``_after``), even one whose data does not on this rank."""
@@ -324,7 +353,7 @@ def ring_attention_backward(grad_out, q, k, v, out, lse, *, S: int, rank: int, n
             for a, b, c in _blocks(qa, qb, ka, kb, is_causal):
                 d_q, d_k, d_v = aten._scaled_dot_product_flash_attention_for_cpu_backward(
                     gos[i], qs[i], _rows(kc, a - ka, b - ka), _rows(vc, a - ka, b - ka), os_[i], ls[i], 0.0, c,
-                    scale=scale)
+                    attn_mask=_block_mask(attn_mask, qa, qb, a, b), scale=scale)
                 dqs[i] = dqs[i] + d_q.to(acc)
                 gk = gk.slice_scatter(_rows(gk, a - ka, b - ka) + d_k.to(acc), 2, a - ka, b - ka)
                 gv = gv.slice_scatter(_rows(gv, a - ka, b - ka) + d_v.to(acc), 2, a - ka, b - ka)

@@ -37,11 +37,12 @@ def _seq_attention(nd: fx.Node, kernel: str, target, args, kwargs, n: int, rank:
     (the query's first row in the global sequence places its causal block), or ring attention."""
     a = normalize_function(target, args, kwargs, normalize_to_only_use_kwargs=True).kwargs
     S = out_vals(nd.args[0 if target is _FWD else 1])[0].shape[2]
+    common = dict(is_causal=bool(a["is_causal"]), scale=a["scale"], attn_mask=a["attn_mask"])
     if kernel == "ring":
-        common = dict(S=S, rank=rank, n=n, group=group, is_causal=bool(a["is_causal"]), scale=a["scale"])
+        common.update(S=S, rank=rank, n=n, group=group)
         fns = (ring_attention, ring_attention_backward)
     else:
-        common = dict(start=sum(chunks(S, n)[:rank]), is_causal=bool(a["is_causal"]), scale=a["scale"])
+        common.update(start=sum(chunks(S, n)[:rank]))
         fns = (kv_gathered_attention, kv_gathered_attention_backward)
     if target is _FWD:
         return (a["query"], a["key"], a["value"]), common, fns[0]

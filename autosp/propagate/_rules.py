@@ -624,10 +624,14 @@ def _heads_split(q, k, n) -> bool:
 
 def _seq_attention_ok(node, q, k) -> bool:
     """Whether attention can run with the query sequence-sharded (K/V gathered, or passed around
-    a ring): self-attention (the causal diagonal is where the query shard sits), no mask tensor and
-    no dropout. ``autosp.partition._attention`` runs both on each rank."""
+    a ring): self-attention (the causal diagonal is where the query shard sits), a mask with a row
+    per query and a column per key if any, and no dropout. ``autosp.partition._attention`` runs
+    both on each rank."""
     args = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
-    return args["attn_mask"] is None and not args["dropout_p"] and q.shape[2] == k.shape[2]
+    mask = args["attn_mask"]
+    # a mask (padding, documents) is read whole on every rank: a row per query, a column per key
+    mask_ok = mask is None or (_val(mask).ndim == 4 and tuple(_val(mask).shape[-2:]) == (q.shape[2], k.shape[2]))
+    return mask_ok and not args["dropout_p"] and q.shape[2] == k.shape[2]
 
 
 def _is_causal(node) -> bool:
@@ -643,13 +647,14 @@ def _seq_strategies(node, q, k, v, n, backward: bool) -> list[Strategy]:
     from ..partition._attention import ring_bytes
     fwd, bwd = ring_bytes(q, k, v, n, _is_causal(node))
     s2 = shard(2)
+    m = (R,) * (len(tensor_inputs(node)) - (6 if backward else 3))  # the mask, if any: whole
     if backward:
         # the gathered K/V's gradients: partial sums over the query shards
-        return [Strategy((s2, s2, s2), (s2,) * 6, kernel="ring", comm=bwd),
-                Strategy((s2, P, P), (s2, s2, R, R, s2, s2), kernel="kv_gather")]
+        return [Strategy((s2, s2, s2), (s2,) * 6 + m, kernel="ring", comm=bwd),
+                Strategy((s2, P, P), (s2, s2, R, R, s2, s2) + m, kernel="kv_gather")]
     kv = (k.numel() + v.numel()) * k.element_size()
-    return [Strategy((s2, s2), (s2, s2, s2), kernel="ring", comm=fwd, held=kv / n),  # one chunk in flight
-            Strategy((s2, s2), (s2, R, R), kernel="kv_gather", held=kv * (n - 1) / n)]
+    return [Strategy((s2, s2), (s2, s2, s2) + m, kernel="ring", comm=fwd, held=kv / n),  # one chunk in flight
+            Strategy((s2, s2), (s2, R, R) + m, kernel="kv_gather", held=kv * (n - 1) / n)]
 
 
 @rule(aten._scaled_dot_product_flash_attention_for_cpu.default)

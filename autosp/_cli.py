@@ -91,7 +91,7 @@ def _build_meta(cfg: dict, dtype: torch.dtype, layers: int | None = None):
 
 
 def trace_plan(cfg: dict, *, layers: int, seq: int, batch: int, sp: int, dtype: torch.dtype, policy: str = "auto",
-               attention: str = "auto"):
+               attention: str = "auto", ulysses: int | None = None):
     """``autosp.explain`` of one training step of the model cut to ``layers`` layers, with every
     rung of the checkpointing ladder evaluated."""
     import autosp
@@ -102,7 +102,7 @@ def trace_plan(cfg: dict, *, layers: int, seq: int, batch: int, sp: int, dtype: 
     ids = torch.zeros(batch, seq, dtype=torch.long)
     step = _Sharded(lambda input_ids, labels: model(input_ids=input_ids, labels=labels).loss, True,
                     Options(compiler="aot_eager", checkpoint=policy, every_rung=True, attention=attention))
-    with autosp.mesh(sp=sp):
+    with autosp.mesh(sp=sp, ulysses=ulysses):
         return autosp.explain(step, ids, ids)
 
 
@@ -117,8 +117,9 @@ class PlanFit:
     quadratic in the length."""
 
     def __init__(self, cfg: dict, *, sp: int, seqs: tuple[int, int], batch: int, dtype: torch.dtype,
-                 attention: str = "auto"):
+                 attention: str = "auto", ulysses: int | None = None):
         self.cfg, self.sp, self.batch, self.dtype, self.attention = cfg, sp, batch, dtype, attention
+        self.ulysses = ulysses
         self.layers, self.seqs = cfg["num_hidden_layers"], seqs
         self.plans: dict = {}
         for s in seqs:
@@ -128,7 +129,7 @@ class PlanFit:
         for k in (1, 2):
             if (k, seq) not in self.plans:
                 self.plans[(k, seq)] = trace_plan(self.cfg, layers=k, seq=seq, batch=self.batch, sp=self.sp,
-                                                  dtype=self.dtype, attention=self.attention)
+                                                  dtype=self.dtype, attention=self.attention, ulysses=self.ulysses)
 
     def refine(self, seq: int) -> None:
         """Trace at ``seq`` and fit from it and the nearest other traced length."""
@@ -227,6 +228,8 @@ def main(argv=None) -> int:
     p.add_argument("--checkpoint", default=",".join(_POLICIES), help="comma-separated: none, auto, full")
     p.add_argument("--attention", default="auto", choices=list(ATTENTION_KERNELS),
                    help="attention kernel: chosen by cost (auto) or forced")
+    p.add_argument("--ulysses", type=int, default=None,
+                   help="a 2D sp mesh: sub-groups of this many ranks (hybrid attention: Ulysses within, ring across)")
     args = ap.parse_args(argv)
     from torch.testing._internal.distributed.fake_pg import FakeStore
     import torch.distributed as dist
@@ -248,7 +251,8 @@ def main(argv=None) -> int:
           f"parameters {gib(params)} and optimizer state {gib(opt)} per rank")
     granule = 256 * args.sp
     base = args.seq or 16 * granule
-    fit = PlanFit(cfg, sp=args.sp, seqs=(base, 2 * base), batch=args.batch, dtype=dtype, attention=args.attention)
+    fit = PlanFit(cfg, sp=args.sp, seqs=(base, 2 * base), batch=args.batch, dtype=dtype, attention=args.attention,
+                  ulysses=args.ulysses)
     kernels = sorted({note.split(": ")[-1].split(",")[0].split(" (")[0] for note in fit.plans[(1, base)].notes
                       if note.startswith("attention at")})
     print(f"attention ({args.attention}): " + ("; ".join(kernels) if kernels else "Ulysses, heads split evenly"))

@@ -89,9 +89,9 @@ def build_plan(joint: fx.GraphModule, choice: Choice, n: int) -> Plan:
                                     transfer_bytes(kind, nbytes(v), n), u.name,
                                     nd.name if nd is not out_node else "output",
                                     str(where.target), source_line(where), nd in backward or u in backward))
-        if nd is not out_node and plan[nd].kernel == "ring":  # its exchanges are inside the kernel: one row
+        if nd is not out_node and plan[nd].kernel in ("ring", "hybrid"):  # exchanges inside the kernel: one row
             kv = out_vals(nd.args[2 if "backward" in str(nd.target) else 1])[0]
-            colls.append(Collective("ring", "S(2)", "S(2)", tuple(kv.shape), str(kv.dtype).replace("torch.", ""),
+            colls.append(Collective(plan[nd].kernel, "S(2)", "S(2)", tuple(kv.shape), str(kv.dtype).replace("torch.", ""),
                                     plan[nd].comm, nd.args[0].name, nd.name, str(nd.target), source_line(nd),
                                     nd in backward))
     return Plan(n, placements, tuple(colls), choice.mem_bytes, tuple(_attention_notes(joint, plan, n)))
@@ -121,6 +121,9 @@ def _attention_notes(joint: fx.GraphModule, plan, n: int) -> list[str]:
             notes.append(f"{where}: {heads}: ring attention, the query stays sequence-sharded and K/V chunks pass "
                          f"around the ranks ({plan[nd].comm / 2**20:.3f} MiB sent per rank in the forward)"
                          + (", causal work balanced by a zigzag of query half-chunks" if _causal(nd) else ""))
+        elif kernel == "hybrid":
+            notes.append(f"{where}: {heads}: hybrid attention, all-to-alls within sp sub-groups and a ring across "
+                         f"them ({plan[nd].comm / 2**20:.3f} MiB sent per rank in the forward)")
         else:
             why = f"{H} query heads < sp={n}" if H < n else f"{H} query / {KV} K/V heads do not split over sp={n}"
             notes.append(f"{where}: not Ulysses ({why}); it runs on inputs placed {plan[nd].ins[0]} (Q), "

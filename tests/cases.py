@@ -39,7 +39,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def exactness(kind: str, b: int, L: int, steps: int = 3, compiler: str = "aot_eager",
-              dtype: torch.dtype = torch.float32, device: str = "cpu", checkpoint="auto", attention="auto") -> dict:
+              dtype: torch.dtype = torch.float32, device: str = "cpu", checkpoint="auto", attention="auto",
+              ulysses: int | None = None) -> dict:
     """Loss and grads of the first step, and parameters after ``steps`` AdamW steps, against the
     same model trained on one device (in this process, on the full batch, on ``device``)."""
     torch.manual_seed(0)
@@ -48,7 +49,7 @@ def exactness(kind: str, b: int, L: int, steps: int = 3, compiler: str = "aot_ea
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     out = {}
-    with autosp.mesh():
+    with autosp.mesh(ulysses=ulysses):
         step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler=compiler,
                             checkpoint=checkpoint, attention=attention)
         for i in range(steps):
@@ -560,3 +561,34 @@ def schedule_mismatch() -> str:
         except autosp.PlanError as e:
             return str(e)
     return ""
+
+
+def hybrid_kernel(S: int, causal: bool, heads: tuple[int, int] = (4, 2), u: int = 2) -> dict:
+    """Hybrid attention's forward and backward (Ulysses within sub-groups of ``u`` ranks, ring
+    across) on this rank's chunks, against the CPU kernel on the whole sequence (fp64): the
+    largest relative error, the gloo bytes sent and ``hybrid_bytes``' charge."""
+    from autosp.partition._attention import _bounds, hybrid_attention, hybrid_attention_backward, hybrid_bytes
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    g = torch.Generator().manual_seed(S)
+    H, KV = heads
+    q, go = (torch.randn(2, H, S, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(2, KV, S, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    out, lse = flash(q, k, v, 0.0, causal)[:2]
+    ref = (out, lse, *flash_bwd(go, q, k, v, out, lse, 0.0, causal))
+    with autosp.mesh(ulysses=u) as m:
+        r, n = m.sp_rank, m.sp_size
+        a, b = _bounds(S, n)[r]
+        mine = [t.narrow(2, a, b - a).contiguous() for t in (q, k, v, go)]
+        inner, outer = m.hybrid_groups
+        kw = dict(S=S, rank=r, n=n, u=u, inner=inner, outer=outer, is_causal=causal)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+            o, l = hybrid_attention(*mine[:3], **kw)
+            grads = hybrid_attention_backward(mine[3], *mine[:3], out.narrow(2, a, b - a), lse.narrow(2, a, b - a), **kw)
+            o, l, *grads = (x * 1 for x in (o, l, *grads))
+    errs = [((x - y.narrow(2, a, b - a)).abs().max() / y.abs().max()).item() for x, y in zip((o, l, *grads), ref)]
+    events = _gloo_events(prof)
+    # gloo's all-to-all events count the whole input, this rank's own 1/u of each tensor included
+    own = sum(t.numel() for t in (*mine[:3], o, *mine[:3], o, mine[3], *grads)) * 8 + 2 * l.numel() * 8
+    return {"err": max(errs), "sent": sum(numel for _, numel in events) * 8 - own / u,
+            "planned": sum(hybrid_bytes(q, k, v, n, u, causal))}

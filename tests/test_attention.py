@@ -1,5 +1,5 @@
-"""Ring attention's per-rank kernels against attention on the whole sequence, on real gloo groups:
-exact forward and backward, and the bytes gloo ran equal to what the plan charges."""
+"""Ring and hybrid attention's per-rank kernels against attention on the whole sequence, on real
+gloo groups: exact forward and backward, and the bytes gloo ran equal to what the plan charges."""
 import pytest
 import torch
 
@@ -59,3 +59,14 @@ def test_ring_zigzag_balances_causal_work(n):
     assert sum(work) == S * (S + 1) // 2
     assert max(work) / min(work) <= 1.001, work
     assert sum(_pairs(S, n, r, False) for r in range(n)) == S * S
+
+
+@pytest.mark.parametrize("S,causal", [(64, True), (64, False)])
+def test_hybrid_attention_matches_whole_sequence_attention_fp64(pools, S, causal):
+    """4 ranks as 2 sub-groups of 2: all-to-alls within a sub-group (4 query / 2 K/V heads become
+    2 / 1 per rank over the sub-group's sequence), ring attention across the sub-groups; output,
+    log-sum-exp and gradients equal the whole-sequence kernel's (fp64, 1e-12), and gloo sent
+    exactly ``hybrid_bytes``' bytes."""
+    rs = pools(4).run(cases.hybrid_kernel, S, causal)
+    assert max(r["err"] for r in rs) <= 1e-12
+    assert sum(r["sent"] for r in rs) == pytest.approx(4 * rs[0]["planned"], rel=1e-12)

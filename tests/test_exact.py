@@ -95,6 +95,15 @@ def test_ring_attention_adamw_trajectory_matches_single_device_fp64(pools):
         assert max(r["grad_err"].values()) <= 1e-10
 
 
+def test_hybrid_attention_adamw_trajectory_matches_single_device_fp64(pools):
+    """A 2D sp mesh (4 ranks as 2 sub-groups of 2) with hybrid attention forced, and whole layers
+    recomputed ("full"): the parameters after 3 AdamW steps equal one device's (fp64, 1e-10)."""
+    for r in pools(4).run(cases.exactness, "llama", 2, 96, 3, "aot_eager", torch.float64, "cpu", "full", "hybrid", 2):
+        assert r["kinds"] == ["all_reduce", "hybrid"], r["kinds"]
+        assert r["param_err"] <= 1e-10
+        assert max(r["grad_err"].values()) <= 1e-10
+
+
 def test_grouped_query_heads_inside_the_op_stay_exact(pools):
     """6 query heads and 2 K/V heads inside the attention op (enable_gqa) over 4 ranks: no head
     split keeps query head j with its K/V head, so attention runs as a ring, the K/V chunks at

@@ -13,11 +13,11 @@ CONFIGS = [(2, 4, 2, 64), (4, 8, 4, 64), (8, 16, 8, 128)]
 L, LAYERS = 96, 2
 
 
-def _plan(world, heads, kv, dim, attn, b=1, attention="auto"):
+def _plan(world, heads, kv, dim, attn, b=1, attention="auto", ulysses=None):
     torch.manual_seed(0)
     model = Llama(LlamaConfig(heads=heads, kv_heads=kv, dim=dim, layers=LAYERS, attn=attn))
     ids = torch.randint(0, 256, (b, L))
-    with autosp.mesh(sp=world):
+    with autosp.mesh(sp=world, ulysses=ulysses):
         step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager",
                             attention=attention)
         return model, autosp.explain(step, ids, ids)
@@ -122,6 +122,27 @@ def test_attention_kernel_can_be_forced(fake_world):
         _plan(4, 2, 1, 64, "sdpa", attention="ulysses")
     with pytest.raises(ValueError, match="attention='zigzag'; use one of"):
         autosp.shard(lambda x: x, attention="zigzag")
+
+
+def test_two_dim_sp_mesh_runs_hybrid_attention_where_heads_split_over_a_sub_group(fake_world):
+    """``autosp.mesh(sp=4, ulysses=2)``: 2 query heads cannot split over 4 but do over 2, so
+    attention runs hybrid (all-to-alls within the sub-groups, a ring across them: fewer bytes than
+    the ring over 4); 8 heads still run as Ulysses over all 4; forcing "hybrid" without a 2D mesh
+    is an error, as is a sub-group size that does not divide sp."""
+    from autosp.partition._attention import hybrid_bytes, ring_bytes
+    fake_world(4)
+    _, plan = _plan(4, 2, 1, 64, "sdpa", ulysses=2)
+    kinds = Counter((c.kind, c.backward) for c in plan.collectives)
+    assert kinds[("hybrid", False)] == kinds[("hybrid", True)] == LAYERS and kinds[("all_to_all", False)] == 0, kinds
+    q = torch.empty(1, 2, L, 32)
+    assert sum(hybrid_bytes(q, q, q, 4, 2, True)) < sum(ring_bytes(q, q, q, 4, True))
+    assert sum("hybrid attention" in note for note in plan.notes) == LAYERS
+    _, plan = _plan(4, 8, 4, 64, "sdpa", ulysses=2)
+    assert {c.kind for c in plan.collectives} == {"all_to_all", "all_reduce"}
+    with pytest.raises(autosp.PlanError, match="attention='hybrid' cannot run this attention op"):
+        _plan(4, 2, 1, 64, "sdpa", attention="hybrid")
+    with pytest.raises(ValueError, match="ulysses=3 must divide sp=4"):
+        _plan(4, 2, 1, 64, "sdpa", ulysses=3)
 
 
 def test_heads_that_cannot_split_gather_kv_when_forced(fake_world):

@@ -13,7 +13,7 @@ import yaml
 
 __all__ = ["Config", "load_config"]
 
-_MESH_KEYS = {"sp", "dp", "backend", "timeout_s"}
+_MESH_KEYS = {"sp", "dp", "ulysses", "backend", "timeout_s"}
 _SHARD_KEYS = {"seq", "compiler", "mem_weight", "checkpoint", "attention"}
 
 

@@ -13,20 +13,35 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = ["Mesh", "mesh", "current_mesh"]
 
-_MESHES: dict[tuple, tuple[object, DeviceMesh]] = {}
+_MESHES: dict[tuple, tuple[object, DeviceMesh, DeviceMesh | None]] = {}
 _CURRENT: contextvars.ContextVar["Mesh | None"] = contextvars.ContextVar("autosp_mesh", default=None)
 
 
 @dataclass(frozen=True, slots=True)
 class Mesh:
     """What ``autosp.mesh`` yields: the DTensor device mesh with dims ("dp", "sp"), and this rank's
-    place on the sp axis."""
+    place on the sp axis. With ``ulysses=u`` the sp axis is also a 2D mesh ("ring", "ulysses"):
+    sp rank r is member r % u of sub-group r // u."""
 
     device_mesh: DeviceMesh
+    flat_sp: DeviceMesh | None = None  # the sp axis of a 2D sp mesh, flattened ("ring", "ulysses")
+
+    @property
+    def ulysses_size(self) -> int:
+        """Size of the sp sub-groups hybrid attention runs Ulysses within (1: no 2D sp mesh)."""
+        names = self.device_mesh.mesh_dim_names or ()
+        return self.device_mesh["ulysses"].size() if "ulysses" in names else 1
+
+    @property
+    def hybrid_groups(self) -> tuple[str, str] | None:
+        """(group within a sub-group, group across sub-groups) names, or None without a 2D sp mesh."""
+        if self.ulysses_size == 1:
+            return None
+        return self.device_mesh["ulysses"].get_group().group_name, self.device_mesh["ring"].get_group().group_name
 
     @property
     def sp_mesh(self) -> DeviceMesh:
-        return self.device_mesh["sp"]
+        return self.flat_sp if self.flat_sp is not None else self.device_mesh["sp"]
 
     @property
     def sp_group(self) -> dist.ProcessGroup:
@@ -71,9 +86,15 @@ def _init_process_group(backend: str | None, timeout_s: float) -> None:
 
 
 @contextlib.contextmanager
-def mesh(sp: int | None = None, dp: int = 1, *, backend: str | None = None, timeout_s: float = 300.0):
+def mesh(sp: int | None = None, dp: int = 1, *, ulysses: int | None = None, backend: str | None = None,
+         timeout_s: float = 300.0):
     """Set up the process group (from torchrun's environment, or a world of one) and a
     ``DeviceMesh`` with named dims ("dp", "sp"); ``sp`` defaults to world_size // dp.
+
+    ``ulysses=u`` (dividing sp) also lays the sp axis out as a 2D mesh ("ring" of sp / u,
+    "ulysses" of u), for hybrid attention: Ulysses' all-to-alls within each sub-group of u
+    consecutive sp ranks (a node's fast links), ring attention across the sub-groups, e.g.
+    ``autosp.mesh(sp=16, ulysses=8)`` for 8 K/V heads on 16 ranks.
 
     ``timeout_s`` bounds every collective: a rank that never arrives fails the others with
     an error instead of a hang.
@@ -87,13 +108,20 @@ def mesh(sp: int | None = None, dp: int = 1, *, backend: str | None = None, time
     if sp * dp != world:
         raise ValueError(f"autosp: mesh sp={sp} x dp={dp} = {sp * dp} ranks, but the world has {world}; "
                          f"launch with torchrun --nproc-per-node {sp * dp} or set sp*dp == {world}")
+    if ulysses is not None and not (1 < ulysses < sp and sp % ulysses == 0):
+        raise ValueError(f"autosp: ulysses={ulysses} must divide sp={sp} and lie strictly between 1 and sp "
+                         "(the size of the sub-groups attention runs Ulysses within; ring across them)")
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    key = (device, dp, sp)
-    world_group, cached = _MESHES.get(key, (None, None))
+    key = (device, dp, sp, ulysses)
+    world_group, cached, flat = _MESHES.get(key, (None, None, None))
     if world_group is not dist.group.WORLD:  # one DeviceMesh (and its groups) per shape and world
-        cached = init_device_mesh(device, (dp, sp), mesh_dim_names=("dp", "sp"))
-        _MESHES[key] = (dist.group.WORLD, cached)
-    m = Mesh(cached)
+        if ulysses is None:
+            cached, flat = init_device_mesh(device, (dp, sp), mesh_dim_names=("dp", "sp")), None
+        else:
+            cached = init_device_mesh(device, (dp, sp // ulysses, ulysses), mesh_dim_names=("dp", "ring", "ulysses"))
+            flat = cached["ring", "ulysses"]._flatten("sp")
+        _MESHES[key] = (dist.group.WORLD, cached, flat)
+    m = Mesh(cached, flat)
     token = _CURRENT.set(m)
     try:
         yield m

@@ -207,7 +207,9 @@ def shard(fn: Callable | nn.Module | None = None, *, seq: SeqSpec = True, compil
     attention: how attention ops run, "auto" (chosen by the plan's cost: Ulysses' all-to-alls
         where the heads split over the ranks, else ring attention), or forced: "ulysses", "ring"
         (K/V passed around the ranks, causal work balanced by a zigzag), "kv_gather" (K/V
-        all-gathered). A forced kernel that cannot run an attention op exactly is an error.
+        all-gathered), "hybrid" (on ``autosp.mesh(ulysses=u)``: Ulysses within sub-groups of u
+        ranks, ring across them). A forced kernel that cannot run an attention op exactly is an
+        error.
     Called with full, global tensors (identical on the ranks of an sp group); returns what one
     device would: the global loss on every rank, and after ``backward()`` every parameter's
     ``.grad`` is the single-device gradient on every rank.

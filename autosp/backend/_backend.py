@@ -129,8 +129,10 @@ def _largest_peaks(mesh):
 
 
 def _collective_order(*graphs: fx.GraphModule) -> list[list[str]]:
-    """The collectives each graph issues, in order (op and process group)."""
-    return [[f"{nd.target}@{nd.args[-1]}" for nd in g.graph.nodes
+    """The collectives each graph issues, in order: op, and process group numbered by first use
+    (ranks of different sub-groups of a 2D sp mesh use different groups in the same roles)."""
+    groups: dict[str, int] = {}
+    return [[f"{nd.target}@{groups.setdefault(str(nd.args[-1]), len(groups))}" for nd in g.graph.nodes
              if nd.op == "call_function" and "_c10d_functional" in str(nd.target) and "wait_tensor" not in str(nd.target)]
             for g in graphs]
 
@@ -172,7 +174,7 @@ def make_backend(mesh, options: Options, on_plan: Callable[[Plan], None] | None 
 
     def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs, **kwargs):
         t0 = time.perf_counter()
-        candidates = propagate(joint, n, mesh.sp_mesh, options.attention)
+        candidates = propagate(joint, n, mesh.sp_mesh, options.attention, mesh.ulysses_size)
         choice = solve(joint, candidates, n, mem_weight=options.mem_weight)
         plan = build_plan(joint, choice, n)
         _check_same_plan(plan, mesh)
@@ -181,7 +183,8 @@ def make_backend(mesh, options: Options, on_plan: Callable[[Plan], None] | None 
         dp = mesh.dp_size
         local = localize(joint, choice, joint_inputs, n, rank, group, num_fwd_outputs, dp,
                          mesh.dp_group.group_name if dp > 1 else None,
-                         torch.distributed.group.WORLD.group_name if dp > 1 else None)
+                         torch.distributed.group.WORLD.group_name if dp > 1 else None,
+                         (mesh.ulysses_size, *mesh.hybrid_groups) if mesh.hybrid_groups else None)
         _debug("localize", local, t0)
         t0 = time.perf_counter()
         fw, bw, ckpt = checkpoint_partition(local, joint_inputs, options.checkpoint, num_fwd_outputs=num_fwd_outputs,

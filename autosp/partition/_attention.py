@@ -33,13 +33,6 @@ __all__ = ["kv_gathered_attention", "kv_gathered_attention_backward", "ring_atte
 aten = torch.ops.aten
 
 
-def _parts(start: int, sq: int, sk: int, causal: bool) -> list[tuple[int, int, bool]]:
-    """(first key, last key + 1, causal) of each key block the query rows see."""
-    if not causal:
-        return [(0, sk, False)]
-    return ([(0, start, False)] if start > 0 else []) + [(start, start + sq, True)]
-
-
 def kv_gathered_attention(q, k, v, start: int, is_causal: bool, scale=None, attn_mask=None):
     """(out, logsumexp) of ``_scaled_dot_product_flash_attention_for_cpu`` for query rows
     ``start ..`` of the sequence, with K and V whole (and the mask, if any, whole)."""
@@ -51,7 +44,7 @@ def kv_gathered_attention(q, k, v, start: int, is_causal: bool, scale=None, attn
         return tuple(aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, False, attn_mask=_rows(attn_mask, start, start + sq), scale=scale)[:2])
     outs = [aten._scaled_dot_product_flash_attention_for_cpu(q, k[:, :, a:b], v[:, :, a:b], 0.0, c, scale=scale)[:2]
-            for a, b, c in _parts(start, sq, k.shape[2], is_causal)]
+            for a, b, c in _blocks(start, start + sq, 0, k.shape[2], is_causal)]
     if len(outs) == 1:
         return outs[0]
     lse = torch.logaddexp(outs[0][1], outs[1][1])
@@ -71,7 +64,7 @@ def kv_gathered_attention_backward(grad_out, q, k, v, out, lse, start: int, is_c
     if attn_mask is not None:
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k, v, out, lse, 0.0, False, attn_mask=_rows(attn_mask, start, start + q.shape[2]), scale=scale)
-    for a, b, c in _parts(start, q.shape[2], k.shape[2], is_causal):
+    for a, b, c in _blocks(start, start + q.shape[2], 0, k.shape[2], is_causal):
         gq, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k[:, :, a:b], v[:, :, a:b], out, lse, 0.0, c, scale=scale)
         dq = dq + gq
@@ -388,3 +381,76 @@ def ring_bytes(q, k, v, n: int, causal: bool) -> tuple[float, float]:
     fwd = kv + moved * (q_row + o_row + l_row)
     bwd = kv + n * S * kv_row * acc / item + moved * (2 * q_row + 2 * o_row + l_row)
     return fwd / n, bwd / n
+
+
+# ---------------------------------------------------------------------------------------------
+# hybrid: Ulysses within sub-groups of u ranks, ring attention across the n / u sub-groups
+
+def _seq_to_heads(x: torch.Tensor, u: int, group, after: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, H, c, D) sequence chunks of the u ranks of a sub-group -> (B, H / u, u c, D): this
+    rank's heads of the sub-group's sequence (Ulysses' all-to-all). A log-sum-exp's (B, H, c) too."""
+    y = x if x.ndim == 4 else x.unsqueeze(-1)
+    B, H, c, D = y.shape
+    y = y.reshape(B, u, H // u, c, D).movedim(1, 0).contiguous()
+    got = funcol.all_to_all_single(_after(y.reshape(-1), after), None, None, group)
+    y = got.reshape(u, B, H // u, c, D).movedim(0, 2).reshape(B, H // u, u * c, D)
+    return y if x.ndim == 4 else y.squeeze(-1)
+
+
+def _heads_to_seq(x: torch.Tensor, u: int, group) -> torch.Tensor:
+    """The inverse of ``_seq_to_heads``."""
+    y = x if x.ndim == 4 else x.unsqueeze(-1)
+    B, h, uc, D = y.shape
+    c = uc // u
+    y = y.reshape(B, h, u, c, D).movedim(2, 0).contiguous()
+    got = funcol.all_to_all_single(y.reshape(-1), None, None, group)
+    y = got.reshape(u, B, h, c, D).movedim(0, 1).reshape(B, u * h, c, D)
+    return y if x.ndim == 4 else y.squeeze(-1)
+
+
+def _mask_heads(mask, u: int, i: int):
+    """This rank's heads of a per-head mask (a mask broadcast over heads stays whole)."""
+    if mask is None or mask.shape[1] == 1:
+        return mask
+    h = mask.shape[1] // u
+    return mask.narrow(1, i * h, h)
+
+
+def hybrid_attention(q, k, v, *, S: int, rank: int, n: int, u: int, inner, outer, is_causal: bool, scale=None,
+                     attn_mask=None):
+    """(out, logsumexp) for this rank's chunk: all-to-alls within the sub-group turn its u chunks
+    into this rank's H / u heads of the sub-group's sequence, ring attention runs across the
+    n / u sub-groups on those heads, and all-to-alls turn the result back."""
+    g, i = divmod(rank, u)
+    qh, kh, vh = (_seq_to_heads(x, u, inner) for x in (q, k, v))
+    out, lse = ring_attention(qh, kh, vh, S=S, rank=g, n=n // u, group=outer, is_causal=is_causal, scale=scale,
+                              attn_mask=_mask_heads(attn_mask, u, i))
+    return _heads_to_seq(out, u, inner), _heads_to_seq(lse, u, inner)
+
+
+def hybrid_attention_backward(grad_out, q, k, v, out, lse, *, S: int, rank: int, n: int, u: int, inner, outer,
+                              is_causal: bool, scale=None, attn_mask=None):
+    """(grad q, grad k, grad v): the same all-to-alls, the ring's backward across the sub-groups,
+    and the gradients back. Every exchange depends on ``grad_out`` (see ``_after``)."""
+    g, i = divmod(rank, u)
+    go, qh, kh, vh, oh, lh = (_seq_to_heads(x, u, inner, grad_out) for x in (grad_out, q, k, v, out, lse))
+    dq, dk, dv = ring_attention_backward(go, qh, kh, vh, oh, lh, S=S, rank=g, n=n // u, group=outer,
+                                         is_causal=is_causal, scale=scale, attn_mask=_mask_heads(attn_mask, u, i))
+    return tuple(_heads_to_seq(x, u, inner) for x in (dq, dk, dv))
+
+
+def hybrid_bytes(q, k, v, n: int, u: int, causal: bool) -> tuple[float, float]:
+    """Bytes a rank sends (averaged) in hybrid attention's forward and backward: the all-to-alls
+    within the sub-group ((u - 1) / u of each tensor's local bytes: q, k, v, out and the
+    log-sum-exp forward; grad_out, q, k, v, out, log-sum-exp in and the three gradients back), and
+    ring attention over the n / u sub-groups on H / u heads."""
+    item, acc = q.element_size(), _acc(q.dtype).itemsize
+    B, H, S, D = q.shape
+    frac = (u - 1) / u / n
+    qb, kb, vb, ob, lb = (q.numel() * item, k.numel() * item, v.numel() * item, B * H * S * v.shape[3] * item,
+                          B * H * S * acc)
+    sub = lambda x: x.new_empty(x.shape[0], x.shape[1] // u, *x.shape[2:])  # noqa: E731
+    ring_fwd, ring_bwd = ring_bytes(sub(q), sub(k), sub(v), n // u, causal)
+    fwd = frac * (qb + kb + vb + ob + lb) + ring_fwd
+    bwd = frac * (ob + qb + kb + vb + ob + lb + qb + kb + vb) + ring_bwd
+    return fwd, bwd

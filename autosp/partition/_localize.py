@@ -16,7 +16,8 @@ from ..errors import PlanError
 from ..propagate._placement import P, R, chunks, is_shard, local_shape
 from ..propagate._rules import out_vals, tensor_inputs
 from ..propagate._solver import Choice
-from ._attention import kv_gathered_attention, kv_gathered_attention_backward, ring_attention, ring_attention_backward
+from ._attention import (hybrid_attention, hybrid_attention_backward, kv_gathered_attention,
+                         kv_gathered_attention_backward, ring_attention, ring_attention_backward)
 from ._collectives import redistribute
 from ._random import sharded_dropout
 
@@ -32,7 +33,7 @@ _SHAPE_ARG = {aten.view.default, aten._unsafe_view.default, aten.reshape.default
 _FWD = aten._scaled_dot_product_flash_attention_for_cpu.default
 
 
-def _seq_attention(nd: fx.Node, kernel: str, target, args, kwargs, n: int, rank: int, group):
+def _seq_attention(nd: fx.Node, kernel: str, target, args, kwargs, n: int, rank: int, group, hybrid=None):
     """The per-rank call of an attention op planned with the query sequence-sharded: K/V gathered
     (the query's first row in the global sequence places its causal block), or ring attention."""
     a = normalize_function(target, args, kwargs, normalize_to_only_use_kwargs=True).kwargs
@@ -41,6 +42,10 @@ def _seq_attention(nd: fx.Node, kernel: str, target, args, kwargs, n: int, rank:
     if kernel == "ring":
         common.update(S=S, rank=rank, n=n, group=group)
         fns = (ring_attention, ring_attention_backward)
+    elif kernel == "hybrid":
+        u, inner, outer = hybrid
+        common.update(S=S, rank=rank, n=n, u=u, inner=inner, outer=outer)
+        fns = (hybrid_attention, hybrid_attention_backward)
     else:
         common.update(start=sum(chunks(S, n)[:rank]))
         fns = (kv_gathered_attention, kv_gathered_attention_backward)
@@ -73,10 +78,11 @@ def _bucketed_all_reduce(tensors: list[torch.Tensor], group) -> list[torch.Tenso
 
 
 def localize(joint: fx.GraphModule, choice: Choice, joint_inputs, n: int, rank: int, group,
-             num_fwd_outputs: int = 0, dp: int = 1, dp_group=None, world_group=None) -> fx.GraphModule:
+             num_fwd_outputs: int = 0, dp: int = 1, dp_group=None, world_group=None, hybrid=None) -> fx.GraphModule:
     """The per-rank joint graph. With ``dp > 1`` (each dp replica ran its own slice of the batch)
     the gradients are also averaged over the dp replicas, as DDP does: a gradient that is partial
-    over sp is summed over sp and dp in one all-reduce on ``world_group``, then divided by dp."""
+    over sp is summed over sp and dp in one all-reduce on ``world_group``, then divided by dp.
+    ``hybrid``: (sub-group size, group within, group across) of a 2D sp mesh."""
     graph = joint.graph
     placeholders = [nd for nd in graph.nodes if nd.op == "placeholder"]
     plan = choice.strategy
@@ -119,8 +125,8 @@ def localize(joint: fx.GraphModule, choice: Choice, joint_inputs, n: int, rank: 
             if target is aten.native_dropout.default and any(is_shard(q) for q in s.ins):
                 args = (args[0], args[1], args[2] if len(args) > 2 else kwargs.pop("train", None), rank)
                 target = lambda x, p, train, rank: sharded_dropout(x, p, train, rank)  # noqa: E731
-            if s.kernel in ("ring", "kv_gather"):
-                args, kwargs, target = _seq_attention(nd, s.kernel, target, args, kwargs, n, rank, group)
+            if s.kernel in ("ring", "kv_gather", "hybrid"):
+                args, kwargs, target = _seq_attention(nd, s.kernel, target, args, kwargs, n, rank, group, hybrid)
             if target in (aten.view.default, aten._unsafe_view.default):
                 # the global graph's strides allowed a view; a collective's output may not
                 target = aten.reshape.default

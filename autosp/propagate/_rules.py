@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten
 
 from ._placement import P, R, can_shard, is_even, shard, shard_spec
 
-__all__ = ["Strategy", "RULES", "tensor_inputs", "out_vals", "strategies_for", "VIEW_OPS"]
+__all__ = ["Strategy", "RULES", "tensor_inputs", "out_vals", "strategies_for", "VIEW_OPS", "hybrid_strategies"]
 
 aten = torch.ops.aten
 Sets = Sequence[frozenset]
@@ -38,7 +38,7 @@ class Strategy:
     outs: tuple[Placement | None, ...]
     ins: tuple[Placement, ...]
     introduces: bool = False  # may shard dims no input's placement reached (attention heads)
-    # attention: how it runs per rank ("ulysses": heads split, "batch", "kv_gather", "ring"),
+    # attention: how it runs per rank ("ulysses": heads split, "batch", "kv_gather", "ring", "hybrid"),
     # None for other ops and for running replicated; ``autosp.shard(attention=...)`` forces one
     kernel: str | None = None
     comm: float = 0.0  # bytes a rank sends inside the kernel (ring attention's K/V passes)
@@ -655,6 +655,27 @@ def _seq_strategies(node, q, k, v, n, backward: bool) -> list[Strategy]:
     kv = (k.numel() + v.numel()) * k.element_size()
     return [Strategy((s2, s2), (s2, s2, s2) + m, kernel="ring", comm=fwd, held=kv / n),  # one chunk in flight
             Strategy((s2, s2), (s2, R, R) + m, kernel="kv_gather", held=kv * (n - 1) / n)]
+
+
+def hybrid_strategies(node: fx.Node, A: Sets, n: int, u: int) -> list[Strategy]:
+    """Hybrid attention on a 2D sp mesh (sub-groups of u ranks): Ulysses within each sub-group,
+    ring across them. Offered where the head counts split over u (each sub-group rank then holds
+    whole grouped-query blocks) and the sequence evenly over the ranks."""
+    fwd = node.target is aten._scaled_dot_product_flash_attention_for_cpu.default
+    if not fwd and node.target is not aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
+        return []
+    q, k, v = (_val(a) for a in (node.args[:3] if fwd else node.args[1:4]))
+    if (shard(2) not in A[0 if fwd else 1] or not _seq_attention_ok(node, q, k) or q.shape[2] % n
+            or q.shape[1] % u or k.shape[1] % u):
+        return []
+    from ..partition._attention import hybrid_bytes
+    fwd_bytes, bwd_bytes = hybrid_bytes(q, k, v, n, u, _is_causal(node))
+    s2 = shard(2)
+    m = (R,) * (len(tensor_inputs(node)) - (3 if fwd else 6))
+    if fwd:
+        kv = (k.numel() + v.numel()) * k.element_size()
+        return [Strategy((s2, s2), (s2, s2, s2) + m, kernel="hybrid", comm=fwd_bytes, held=kv / n)]
+    return [Strategy((s2, s2, s2), (s2,) * 6 + m, kernel="hybrid", comm=bwd_bytes)]
 
 
 @rule(aten._scaled_dot_product_flash_attention_for_cpu.default)

@@ -27,7 +27,7 @@ from scipy.sparse import coo_array
 
 from ..errors import PlanError, UnsupportedOpError
 from ._placement import P, R, can_shard, is_shard, nbytes, redistribute_kind, shard, shard_spec, transfer_bytes
-from ._rules import VIEW_OPS, Strategy, out_vals, strategies_for, tensor_inputs
+from ._rules import VIEW_OPS, Strategy, hybrid_strategies, out_vals, strategies_for, tensor_inputs
 
 __all__ = ["Candidates", "propagate", "solve", "Choice", "ATTENTION_KERNELS"]
 
@@ -72,16 +72,17 @@ def _justified(s: Strategy, reach) -> bool:
     return any(q != R and _activation(reach[j]) for j, q in enumerate(s.ins))
 
 
-def propagate(gm: fx.GraphModule, n: int, mesh=None, attention: str = "auto") -> Candidates:
+def propagate(gm: fx.GraphModule, n: int, mesh=None, attention: str = "auto", ulysses: int = 1) -> Candidates:
     """Forward from the annotations, back from what ops ask of their inputs, forward again
     (Shardy's bidirectional propagation, two sweeps): attention asks for heads, and that request
     travels back through the reshapes of grouped-query K/V to where it is cheapest to meet.
-    ``attention`` other than "auto" keeps only that kernel's strategies for attention ops."""
-    first = _forward(gm, n, mesh, {}, attention)
-    return _forward(gm, n, mesh, _wants(gm, first, n, mesh), attention)
+    ``attention`` other than "auto" keeps only that kernel's strategies for attention ops;
+    ``ulysses`` > 1 (a 2D sp mesh) offers hybrid attention too."""
+    first = _forward(gm, n, mesh, {}, attention, ulysses)
+    return _forward(gm, n, mesh, _wants(gm, first, n, mesh), attention, ulysses)
 
 
-ATTENTION_KERNELS = ("auto", "ulysses", "ring", "kv_gather")
+ATTENTION_KERNELS = ("auto", "ulysses", "ring", "kv_gather", "hybrid")
 
 
 def _forced(node: fx.Node, strats: list[Strategy], attention: str) -> list[Strategy]:
@@ -93,13 +94,14 @@ def _forced(node: fx.Node, strats: list[Strategy], attention: str) -> list[Strat
     if not kept:
         have = sorted({s.kernel for s in strats if s.kernel})
         raise PlanError(node, f"attention={attention!r} cannot run this attention op exactly (it can run as {have}); "
-                        "ring and kv_gather need self-attention without a mask tensor or dropout, ulysses needs "
-                        "head counts that split over the ranks",
+                        "ring and kv_gather need self-attention without dropout, ulysses needs head counts that "
+                        "split over the ranks, hybrid a 2D sp mesh (autosp.mesh(ulysses=...)) whose sub-groups "
+                        "split the head counts, and a length that splits evenly over the ranks",
                         f"use attention='auto' or one of {have}")
     return kept
 
 
-def _forward(gm: fx.GraphModule, n: int, mesh, wanted: dict, attention: str = "auto") -> Candidates:
+def _forward(gm: fx.GraphModule, n: int, mesh, wanted: dict, attention: str = "auto", ulysses: int = 1) -> Candidates:
     c = Candidates()
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "get_attr"):  # inputs, and constants lifted into the graph
@@ -123,6 +125,8 @@ def _forward(gm: fx.GraphModule, n: int, mesh, wanted: dict, attention: str = "a
         # a later op wants of it
         A = [r | sq | wanted.get(key, frozenset()) for r, sq, key in zip(reach, seq_in, ins)]
         strats = strategies_for(node, A, n, mesh)
+        if strats is not None and ulysses > 1:
+            strats = strats + hybrid_strategies(node, A, n, ulysses)
         if strats is None:
             c.no_rule.add(node)
             strats = [Strategy(tuple(R if v is not None else None for v in out_vals(node)), tuple(R for _ in ins))]

@@ -42,8 +42,8 @@ class Options:
     checkpoint: activation checkpointing, "auto" (default), "none", "full", or a budget in bytes
         per rank for the step's peak beyond parameters and optimizer state, e.g.
         ``checkpoint=8 * 2**30``.
-    attention: "auto" (by cost), or a kernel every attention op must run as: "ulysses", "ring" or
-        "kv_gather", e.g. ``attention="ring"``.
+    attention: "auto" (by cost), or a kernel every attention op must run as: "ulysses", "ring",
+        "kv_gather" or "hybrid" (on a 2D sp mesh), e.g. ``attention="ring"``.
     """
 
     compiler: str = "inductor"

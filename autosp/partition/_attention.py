@@ -1,6 +1,6 @@
 """Attention with the query sequence-sharded: for heads that cannot be split over the ranks.
 
-Two per-rank kernels, both exact. The first runs against gathered K/V (the plan all-gathers them):
+Three per-rank kernels, all exact. The first runs against gathered K/V (the plan all-gathers them):
 
 A rank holds query rows ``start .. start + Sq`` of the global sequence and all of K and V. With
 a causal mask its rows see every key before ``start`` and a causal diagonal block at
@@ -16,7 +16,12 @@ it overlaps), so no rank ever holds more than two chunks. The backward passes th
 same way and their gradient accumulators behind them, home after n steps. Under a causal mask the
 queries are first moved to a zigzag (rank r runs query half-chunks r and 2n - 1 - r, an early one
 and a late one), so every rank computes about the same number of blocks; the outputs go back to
-the contiguous layout the rest of the plan uses.
+the contiguous layout the rest of the plan uses. A mask tensor (padding, documents) is read
+whole by every rank, each block its rows and columns; the zigzag is for the causal flag only.
+
+The third, on a 2D sp mesh, is hybrid: all-to-alls within each sub-group of u ranks (Ulysses)
+give each rank H / u heads of the sub-group's sequence, ring attention runs across the sub-groups
+on those heads, and all-to-alls turn the result back.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ import torch.distributed._functional_collectives as funcol
 from ..propagate._placement import chunks
 
 __all__ = ["kv_gathered_attention", "kv_gathered_attention_backward", "ring_attention", "ring_attention_backward",
-           "ring_bytes"]
+           "ring_bytes", "hybrid_attention", "hybrid_attention_backward", "hybrid_bytes"]
 
 aten = torch.ops.aten
 
@@ -126,16 +131,8 @@ def _rows(x: torch.Tensor, a: int, b: int) -> torch.Tensor:
     return x.narrow(2, a, b - a)
 
 
-def _after(flat: torch.Tensor, after: torch.Tensor | None) -> torch.Tensor:
-    """``flat`` made to depend on ``after`` (the backward's incoming gradient), for free: the
-    partitioner may otherwise compute a backward exchange that needs only forward values in the
-    forward graph (or merge it with the forward's identical one), and it decides that per rank,
-    from each rank's own graph, so the ranks would run their collectives in different orders."""
-    return flat if after is None else torch.cat([flat, after.reshape(-1)[:0].to(flat.dtype)])
-
-
 def _move(ts: list[torch.Tensor], have: list[tuple[int, int, int]], want: list[tuple[int, int, int]],
-          n: int, rank: int, group, after: torch.Tensor | None = None) -> list[list[torch.Tensor]]:
+          n: int, rank: int, group) -> list[list[torch.Tensor]]:
     """Move row segments between ranks in one ``all_to_all_single``. ``have``: (segment, dst,
     rows) of each local segment, laid out in that order along dim 2; ``want``: (segment, src,
     rows) of the segments to receive. The tensors ((B, H, S, D) or a log-sum-exp's (B, H, S), one
@@ -155,13 +152,13 @@ def _move(ts: list[torch.Tensor], have: list[tuple[int, int, int]], want: list[t
         send[dst] += have[i][2] * row
     for src, _, rows in in_order:
         recv[src] += rows * row
-    flat = _after(torch.cat([_rows(packed, offs[i], offs[i + 1]).reshape(-1) for _, _, i in out_order]
-                            or [packed.new_zeros(0)]), after)
+    flat = torch.cat([_rows(packed, offs[i], offs[i + 1]).reshape(-1) for _, _, i in out_order]
+                     or [packed.new_zeros(0)])
     got = funcol.all_to_all_single(flat, recv, send, group)
     pieces = dict(local)
     for (_, seg, rows), p in zip(in_order, got.split([rows * row for _, _, rows in in_order])):
         pieces[seg] = p.reshape(*lead, rows, width)
-    if not in_order:  # keep the exchange in the graph on this rank too (see ``_tie``)
+    if not in_order:  # nothing comes to this rank: still wait for the exchange (``_tie``)
         seg = want[0][0]
         pieces[seg] = _tie(pieces[seg], got)
     out, col = [], 0
@@ -192,23 +189,23 @@ def _by_dtype(ts: list, move) -> list:
     return out
 
 
-def _to_zigzag(ts: list[torch.Tensor], S: int, n: int, rank: int, group, after=None) -> list[list[torch.Tensor]]:
+def _to_zigzag(ts: list[torch.Tensor], S: int, n: int, rank: int, group) -> list[list[torch.Tensor]]:
     """This rank's zigzag query half-chunks of each tensor."""
-    return _by_dtype(ts, lambda g: _move(g, *_zigzag_moves(S, n, rank, False), n, rank, group, after))
+    return _by_dtype(ts, lambda g: _move(g, *_zigzag_moves(S, n, rank, False), n, rank, group))
 
 
-def _from_zigzag(ts: list[torch.Tensor], S: int, n: int, rank: int, group, after=None) -> list[torch.Tensor]:
+def _from_zigzag(ts: list[torch.Tensor], S: int, n: int, rank: int, group) -> list[torch.Tensor]:
     """The contiguous chunks back from tensors holding this rank's two zigzag half-chunks."""
     return _by_dtype(ts, lambda g: [torch.cat(x, dim=2)
-                                    for x in _move(g, *_zigzag_moves(S, n, rank, True), n, rank, group, after)])
+                                    for x in _move(g, *_zigzag_moves(S, n, rank, True), n, rank, group)])
 
 
 def _shift(ts: list[torch.Tensor], shapes: list[list[int]], n: int, rank: int, group,
-           send: bool = True, recv: bool = True, after: torch.Tensor | None = None) -> list[torch.Tensor]:
+           send: bool = True, recv: bool = True) -> list[torch.Tensor]:
     """Send ``ts`` (one dtype) to the next rank; receive tensors of ``shapes`` from the previous.
     ``send``/``recv`` False: nothing goes that way (the receiver will not use it); an empty tensor
     is returned for each shape then."""
-    flat = _after(torch.cat([t.reshape(-1) for t in ts]), after)
+    flat = torch.cat([t.reshape(-1) for t in ts])
     sizes, counts = [0] * n, [0] * n
     sizes[(rank + 1) % n] = flat.numel() if send else 0
     counts[(rank - 1) % n] = sum(math.prod(s) for s in shapes) if recv else 0
@@ -219,8 +216,8 @@ def _shift(ts: list[torch.Tensor], shapes: list[list[int]], n: int, rank: int, g
 
 
 def _tie(x: torch.Tensor, unused: torch.Tensor) -> torch.Tensor:
-    """``x``, made to depend on an exchange's empty output: every rank must keep every collective
-    of the ring in its graph (one rank dropping an unused one as dead code would hang the rest)."""
+    """``x``, made to depend on an exchange's empty output, so that the exchange is waited for
+    (a functional collective nobody reads is never waited: torch warns of it at exit)."""
     return torch.cat([x.reshape(-1), unused.reshape(-1)[:0].to(x.dtype)]).view(x.shape)
 
 
@@ -244,24 +241,24 @@ def _kv_sends(S: int, n: int, rank: int, t: int, causal: bool) -> bool:
     return t < n - 2 or _uses(S, n, (rank + 1) % n, (rank - t) % n, causal)
 
 
-def _next_kv(kc, vc, k, v, S: int, n: int, rank: int, t: int, group, causal: bool, after=None):
+def _next_kv(kc, vc, k, v, S: int, n: int, rank: int, t: int, group, causal: bool):
     """Step t's K/V pass: this rank's chunk to the next rank, the previous rank's to this one."""
     bounds = _bounds(S, n)
     src = (rank - t - 1) % n
     rows = bounds[src][1] - bounds[src][0]
     send, recv = _kv_sends(S, n, rank, t, causal), _kv_sends(S, n, (rank - 1) % n, t, causal)
-    return _shift([kc, vc], [_chunk_shape(k, rows), _chunk_shape(v, rows)], n, rank, group, send, recv, after), recv
+    return _shift([kc, vc], [_chunk_shape(k, rows), _chunk_shape(v, rows)], n, rank, group, send, recv), recv
 
 
 def _chunk_shape(x: torch.Tensor, rows: int) -> list[int]:
     return [*x.shape[:2], rows, *x.shape[3:]]
 
 
-def _query_segments(q_like: list[torch.Tensor], S: int, n: int, rank: int, group, causal: bool, after=None):
+def _query_segments(q_like: list[torch.Tensor], S: int, n: int, rank: int, group, causal: bool):
     """(global row ranges, per-tensor segments) this rank runs (``_ranges``)."""
     if not causal:
         return _ranges(S, n, rank, causal), [[t] for t in q_like]
-    return _ranges(S, n, rank, causal), _to_zigzag(q_like, S, n, rank, group, after)
+    return _ranges(S, n, rank, causal), _to_zigzag(q_like, S, n, rank, group)
 
 
 def _block_mask(mask, qa: int, qb: int, a: int, b: int):
@@ -276,12 +273,22 @@ def _masked_lse(lse: torch.Tensor, mask) -> torch.Tensor:
     return lse.masked_fill((mask == float("-inf")).all(-1).expand(lse.shape), float("-inf"))
 
 
-def _merge(out, lse, o, l):
-    """Two partial attention results over disjoint keys, by their log-sum-exps (rows without any
-    key yet stay at -inf with weight 0)."""
+def _merge(out, lse, o, l, masked: bool):
+    """Two partial attention results over disjoint keys, by their log-sum-exps (under a mask, rows
+    without any key yet stay at -inf with weight 0)."""
     m = torch.logaddexp(lse, l)
-    base = m.masked_fill(m == float("-inf"), 0.0)
+    base = m.masked_fill(m == float("-inf"), 0.0) if masked else m
     return out * torch.exp(lse - base).unsqueeze(-1) + o * torch.exp(l - base).unsqueeze(-1), m
+
+
+def _add(acc: torch.Tensor | None, x: torch.Tensor, a: int, b: int, rows: int) -> torch.Tensor:
+    """``acc`` (rows ``0 .. rows``, None for zeros) plus ``x`` at rows ``a .. b``, with as few
+    ops as the case needs (the unrolled ring makes every op count in compile time)."""
+    if a == 0 and b == rows:
+        return x if acc is None else acc + x
+    if acc is None:
+        acc = x.new_zeros(_chunk_shape(x, rows))
+    return acc.slice_scatter(_rows(acc, a, b) + x, 2, a, b)
 
 
 def ring_attention(q, k, v, *, S: int, rank: int, n: int, group, is_causal: bool, scale=None, attn_mask=None):
@@ -309,7 +316,7 @@ def ring_attention(q, k, v, *, S: int, rank: int, n: int, group, is_causal: bool
                 if outs[i] is None:
                     outs[i], lses[i] = o, l
                 else:
-                    outs[i], lses[i] = _merge(outs[i], lses[i], o, l)
+                    outs[i], lses[i] = _merge(outs[i], lses[i], o, l, attn_mask is not None)
         if t < n - 1:
             kc, vc = nxt
             unused = None if used else kc
@@ -328,40 +335,42 @@ def ring_attention(q, k, v, *, S: int, rank: int, n: int, group, is_causal: bool
 def ring_attention_backward(grad_out, q, k, v, out, lse, *, S: int, rank: int, n: int, group, is_causal: bool,
                             scale=None, attn_mask=None):
     """(grad q, grad k, grad v) of this rank's chunks: K/V travel the ring again, and behind them
-    the accumulators of their gradients, which arrive home after the last step. Every exchange
-    here depends on ``grad_out`` (``_after``), even one whose data does not on this rank."""
+    the accumulators of their gradients, which arrive home after the last step."""
     acc = _acc(q.dtype)
-    ranges, (gos, qs, os_, ls) = _query_segments([grad_out, q, out, lse], S, n, rank, group, is_causal, grad_out)
-    dqs = [torch.zeros_like(x, dtype=acc) for x in qs]
+    ranges, (gos, qs, os_, ls) = _query_segments([grad_out, q, out, lse], S, n, rank, group, is_causal)
+    dqs: list = [None] * len(qs)
     bounds = _bounds(S, n)
     kc, vc = k, v
     dkv, unused = None, None
     for t in range(n):
         j = (rank - t) % n
         if t < n - 1:
-            nxt, used = _next_kv(kc, vc, k, v, S, n, rank, t, group, is_causal, grad_out)
+            nxt, used = _next_kv(kc, vc, k, v, S, n, rank, t, group, is_causal)
         ka, kb = bounds[j]
-        gk, gv = (x.new_zeros(_chunk_shape(x, kb - ka), dtype=acc) for x in (k, v))
+        gk = gv = None
         for i, (qa, qb) in enumerate(ranges):
             for a, b, c in _blocks(qa, qb, ka, kb, is_causal):
                 d_q, d_k, d_v = aten._scaled_dot_product_flash_attention_for_cpu_backward(
                     gos[i], qs[i], _rows(kc, a - ka, b - ka), _rows(vc, a - ka, b - ka), os_[i], ls[i], 0.0, c,
                     attn_mask=_block_mask(attn_mask, qa, qb, a, b), scale=scale)
-                dqs[i] = dqs[i] + d_q.to(acc)
-                gk = gk.slice_scatter(_rows(gk, a - ka, b - ka) + d_k.to(acc), 2, a - ka, b - ka)
-                gv = gv.slice_scatter(_rows(gv, a - ka, b - ka) + d_v.to(acc), 2, a - ka, b - ka)
+                dqs[i] = _add(dqs[i], d_q.to(acc), 0, qb - qa, qb - qa)
+                gk = _add(gk, d_k.to(acc), a - ka, b - ka, kb - ka)
+                gv = _add(gv, d_v.to(acc), a - ka, b - ka, kb - ka)
+        if gk is None:  # no row of this rank sees the chunk
+            gk, gv = (x.new_zeros(_chunk_shape(x, kb - ka), dtype=acc) for x in (k, v))
         if dkv is not None:  # the accumulators from the previous rank, waited for only now
             gk, gv = gk + dkv[0], gv + dkv[1]
         a, b = bounds[(j - 1) % n]  # the chunk the previous rank holds now
-        dkv = _shift([gk, gv], [_chunk_shape(gk, b - a), _chunk_shape(gv, b - a)], n, rank, group, after=grad_out)
+        dkv = _shift([gk, gv], [_chunk_shape(gk, b - a), _chunk_shape(gv, b - a)], n, rank, group)
         if t < n - 1:
             kc, vc = nxt
             unused = None if used else kc
     dk, dv = dkv[0].to(k.dtype), dkv[1].to(v.dtype)
     if unused is not None:
         dk = _tie(dk, unused)
+    dqs = [x if x is not None else torch.zeros_like(qs[i], dtype=acc) for i, x in enumerate(dqs)]
     dq = torch.cat(dqs, dim=2).to(q.dtype)
-    return (_from_zigzag([dq], S, n, rank, group, grad_out)[0] if is_causal else dq), dk, dv
+    return (_from_zigzag([dq], S, n, rank, group)[0] if is_causal else dq), dk, dv
 
 
 def ring_bytes(q, k, v, n: int, causal: bool) -> tuple[float, float]:
@@ -386,13 +395,13 @@ def ring_bytes(q, k, v, n: int, causal: bool) -> tuple[float, float]:
 # ---------------------------------------------------------------------------------------------
 # hybrid: Ulysses within sub-groups of u ranks, ring attention across the n / u sub-groups
 
-def _seq_to_heads(x: torch.Tensor, u: int, group, after: torch.Tensor | None = None) -> torch.Tensor:
+def _seq_to_heads(x: torch.Tensor, u: int, group) -> torch.Tensor:
     """(B, H, c, D) sequence chunks of the u ranks of a sub-group -> (B, H / u, u c, D): this
     rank's heads of the sub-group's sequence (Ulysses' all-to-all). A log-sum-exp's (B, H, c) too."""
     y = x if x.ndim == 4 else x.unsqueeze(-1)
     B, H, c, D = y.shape
     y = y.reshape(B, u, H // u, c, D).movedim(1, 0).contiguous()
-    got = funcol.all_to_all_single(_after(y.reshape(-1), after), None, None, group)
+    got = funcol.all_to_all_single(y.reshape(-1), None, None, group)
     y = got.reshape(u, B, H // u, c, D).movedim(0, 2).reshape(B, H // u, u * c, D)
     return y if x.ndim == 4 else y.squeeze(-1)
 
@@ -431,9 +440,9 @@ def hybrid_attention(q, k, v, *, S: int, rank: int, n: int, u: int, inner, outer
 def hybrid_attention_backward(grad_out, q, k, v, out, lse, *, S: int, rank: int, n: int, u: int, inner, outer,
                               is_causal: bool, scale=None, attn_mask=None):
     """(grad q, grad k, grad v): the same all-to-alls, the ring's backward across the sub-groups,
-    and the gradients back. Every exchange depends on ``grad_out`` (see ``_after``)."""
+    and the gradients back."""
     g, i = divmod(rank, u)
-    go, qh, kh, vh, oh, lh = (_seq_to_heads(x, u, inner, grad_out) for x in (grad_out, q, k, v, out, lse))
+    go, qh, kh, vh, oh, lh = (_seq_to_heads(x, u, inner) for x in (grad_out, q, k, v, out, lse))
     dq, dk, dv = ring_attention_backward(go, qh, kh, vh, oh, lh, S=S, rank=g, n=n // u, group=outer,
                                          is_causal=is_causal, scale=scale, attn_mask=_mask_heads(attn_mask, u, i))
     return tuple(_heads_to_seq(x, u, inner) for x in (dq, dk, dv))
@@ -454,3 +463,58 @@ def hybrid_bytes(q, k, v, n: int, u: int, causal: bool) -> tuple[float, float]:
     fwd = frac * (qb + kb + vb + ob + lb) + ring_fwd
     bwd = frac * (ob + qb + kb + vb + ob + lb + qb + kb + vb) + ring_bwd
     return fwd, bwd
+
+
+# ---------------------------------------------------------------------------------------------
+# the per-rank graph's view of ring and hybrid attention: one opaque op each way. Unrolled into
+# the graph, a ring is hundreds of small ops per layer (compile time grew 40% on a 3-layer toy)
+# and its exchanges, some of which only one rank's compute uses, are at the partitioner's mercy.
+
+def _waited(ts, inputs) -> tuple[torch.Tensor, ...]:
+    """The kernel's results as a custom op must return them: waited for, contiguous (the fake
+    kernel's strides), and sharing memory with no input and no other result (K and V gradients
+    arrive as views of one exchange buffer)."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs if t is not None}
+    out = []
+    for t in ts:
+        t = (t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t).contiguous()  # as the fake says
+        ptr = t.untyped_storage().data_ptr()
+        out.append(t.clone() if ptr in seen else t)
+        seen.add(ptr)
+    return tuple(out)
+
+
+@torch.library.custom_op("autosp::ring_attention", mutates_args=())
+def ring_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+                      S: int, rank: int, n: int, group: str, is_causal: bool, scale: float | None, u: int,
+                      inner: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, logsumexp) of this rank's chunk: ring attention over ``group`` (``u == 1``), or hybrid
+    attention with sub-groups of ``u`` (``inner`` within, ``group`` across)."""
+    kw = dict(S=S, rank=rank, n=n, is_causal=is_causal, scale=scale, attn_mask=attn_mask)
+    if u > 1:
+        return _waited(hybrid_attention(query, key, value, u=u, inner=inner, outer=group, **kw), (query, key, value))
+    return _waited(ring_attention(query, key, value, group=group, **kw), (query, key, value))
+
+
+@ring_attention_op.register_fake
+def _(query, key, value, attn_mask, S, rank, n, group, is_causal, scale, u, inner):
+    return (query.new_empty([*query.shape[:3], value.shape[3]]),
+            query.new_empty(query.shape[:3], dtype=_acc(query.dtype)))
+
+
+@torch.library.custom_op("autosp::ring_attention_backward", mutates_args=())
+def ring_attention_backward_op(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               out: torch.Tensor, logsumexp: torch.Tensor, attn_mask: torch.Tensor | None, S: int,
+                               rank: int, n: int, group: str, is_causal: bool, scale: float | None, u: int,
+                               inner: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad query, grad key, grad value) of this rank's chunks (see ``ring_attention_op``)."""
+    kw = dict(S=S, rank=rank, n=n, is_causal=is_causal, scale=scale, attn_mask=attn_mask)
+    args = (grad_out, query, key, value, out, logsumexp)
+    if u > 1:
+        return _waited(hybrid_attention_backward(*args, u=u, inner=inner, outer=group, **kw), args)
+    return _waited(ring_attention_backward(*args, group=group, **kw), args)
+
+
+@ring_attention_backward_op.register_fake
+def _(grad_out, query, key, value, out, logsumexp, attn_mask, S, rank, n, group, is_causal, scale, u, inner):
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)

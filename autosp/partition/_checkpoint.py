@@ -132,7 +132,8 @@ def _attention_flops(nd: fx.Node) -> float:
     (half of it causal), 2.5 times that backward (recomputed scores, four matmuls)."""
     args = normalize_function(nd.target, nd.args, nd.kwargs, normalize_to_only_use_kwargs=True).kwargs
     q, k = args["query"].meta["val"], args["key"].meta["val"]
-    flops = 4.0 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * q.shape[3]
+    # ring and hybrid attention (``autosp::ring_attention``): this rank's rows against all S keys
+    flops = 4.0 * q.shape[0] * q.shape[1] * q.shape[2] * args.get("S", k.shape[2]) * q.shape[3]
     causal = bool(args["is_causal"])
     return flops * (0.5 if causal else 1.0) * (2.5 if "backward" in nd.target.name() else 1.0)
 
@@ -165,7 +166,7 @@ def _kind(nd: fx.Node) -> str:
     if isinstance(target, torch._ops.OpOverload):
         if target.namespace == "_c10d_functional":
             return "collective"
-        if "scaled_dot_product" in target.name() or "flash_attention" in target.name():
+        if any(x in target.name() for x in ("scaled_dot_product", "flash_attention", "autosp::ring_attention")):
             return "attention"
         if torch.Tag.nondeterministic_seeded in target.tags:
             return "random"

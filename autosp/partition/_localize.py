@@ -16,8 +16,8 @@ from ..errors import PlanError
 from ..propagate._placement import P, R, chunks, is_shard, local_shape
 from ..propagate._rules import out_vals, tensor_inputs
 from ..propagate._solver import Choice
-from ._attention import (hybrid_attention, hybrid_attention_backward, kv_gathered_attention,
-                         kv_gathered_attention_backward, ring_attention, ring_attention_backward)
+from ._attention import (kv_gathered_attention, kv_gathered_attention_backward, ring_attention_backward_op,
+                         ring_attention_op)
 from ._collectives import redistribute
 from ._random import sharded_dropout
 
@@ -35,23 +35,20 @@ _FWD = aten._scaled_dot_product_flash_attention_for_cpu.default
 
 def _seq_attention(nd: fx.Node, kernel: str, target, args, kwargs, n: int, rank: int, group, hybrid=None):
     """The per-rank call of an attention op planned with the query sequence-sharded: K/V gathered
-    (the query's first row in the global sequence places its causal block), or ring attention."""
+    (the query's first row in the global sequence places its causal block), or ring or hybrid
+    attention (one op each way, ``autosp::ring_attention``)."""
     a = normalize_function(target, args, kwargs, normalize_to_only_use_kwargs=True).kwargs
     S = out_vals(nd.args[0 if target is _FWD else 1])[0].shape[2]
     common = dict(is_causal=bool(a["is_causal"]), scale=a["scale"], attn_mask=a["attn_mask"])
-    if kernel == "ring":
-        common.update(S=S, rank=rank, n=n, group=group)
-        fns = (ring_attention, ring_attention_backward)
-    elif kernel == "hybrid":
-        u, inner, outer = hybrid
-        common.update(S=S, rank=rank, n=n, u=u, inner=inner, outer=outer)
-        fns = (hybrid_attention, hybrid_attention_backward)
-    else:
+    names = ("query", "key", "value") if target is _FWD else ("grad_out", "query", "key", "value", "out", "logsumexp")
+    if kernel == "kv_gather":
         common.update(start=sum(chunks(S, n)[:rank]))
-        fns = (kv_gathered_attention, kv_gathered_attention_backward)
-    if target is _FWD:
-        return (a["query"], a["key"], a["value"]), common, fns[0]
-    return (a["grad_out"], a["query"], a["key"], a["value"], a["out"], a["logsumexp"]), common, fns[1]
+        fn = kv_gathered_attention if target is _FWD else kv_gathered_attention_backward
+    else:
+        u, inner, outer = hybrid if kernel == "hybrid" else (1, "", group)
+        common.update(S=S, rank=rank, n=n, group=outer, u=u, inner=inner)
+        fn = ring_attention_op if target is _FWD else ring_attention_backward_op
+    return tuple(a[k] for k in names), common, fn
 
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size

@@ -600,8 +600,8 @@ def _getitem(node, A, n):
 
 
 # ---------------------------------------------------------------------------------------------
-# attention: heads (or batch) sharded, as Ulysses; where the heads do not split, the query's
-# sequence with K/V gathered (the causal diagonal moves with the query shard)
+# attention: heads (or batch) sharded, as Ulysses; or the query's sequence, with K/V passed
+# around a ring, gathered, or (on a 2D sp mesh) Ulysses within sub-groups and a ring across them
 
 def _heads_error(node, heads, kv_heads, n):
     from ..errors import PlanError

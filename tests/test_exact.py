@@ -72,12 +72,12 @@ def test_fewer_kv_heads_than_ranks_stays_exact(pools, world):
         assert max(r["grad_err"].values()) <= 1e-5
 
 
-@pytest.mark.parametrize("L,attention", [(96, "auto"), (93, "auto"), (93, "kv_gather")])
+@pytest.mark.parametrize("L,attention", [(93, "auto"), (93, "kv_gather")])
 def test_fewer_query_heads_than_ranks_stay_exact(pools, L, attention):
     """2 query heads over 4 ranks cannot be split by head: the query stays sequence-sharded and
     attention runs as a ring (K/V chunks passed around, causal zigzag), or, forced, against
-    all-gathered K/V whose gradients are reduce-scattered; exact, also with uneven shards (93
-    tokens: 24, 23, 23, 23)."""
+    all-gathered K/V whose gradients are reduce-scattered; exact with uneven shards (93 tokens:
+    24, 23, 23, 23; even lengths: the kernel tests and the hybrid test)."""
     for r in pools(4).run(cases.exactness, "llama_2h", 1, L, 1, "aot_eager", torch.float32, "cpu", "auto", attention):
         loss, loss_ref = r["loss"]
         assert abs(loss - loss_ref) <= 1e-5 * abs(loss_ref)

@@ -41,30 +41,23 @@ def test_hf_model_with_uneven_sequence_on_4_ranks(pools, arch):
         assert r["kinds"] == ["all_reduce", "all_to_all"], r["kinds"]
 
 
-MASKED = [("llama", "sdpa", "right"), ("qwen3", "eager", "left"), ("opt", "sdpa", "left"),
-          ("gpt2", "sdpa", "packed"), ("llama", "eager", "packed")]
+MASKED = [("llama", "sdpa", "right", "kv_gather"), ("qwen3", "eager", "left", "auto"), ("opt", "sdpa", "left", "auto"),
+          ("gpt2", "sdpa", "packed", "auto"), ("llama", "eager", "packed", "auto"), ("llama", "sdpa", "packed", "ring")]
 
 
-@pytest.mark.parametrize("kind,attention,kinds", [("packed", "ring", ["all_reduce", "ring"]),
-                                                  ("right", "kv_gather", ["all_gather", "all_reduce", "reduce_scatter"])])
-def test_hf_masks_with_ring_or_gathered_kv_attention_stay_exact(pools, kind, attention, kinds):
-    """HF Llama (sdpa) with packed documents and with right padding, attention forced to a ring
-    and to gathered K/V: each block reads its rows and columns of the replicated mask; exact on 4
-    ranks, with the kernel's collectives only (K/V gathers for the second)."""
-    for r in pools(4).run(cases.hf_masked_exactness, "llama", "sdpa", kind, 2, 64, attention):
-        loss, ref = r["loss"]
-        assert abs(loss - ref) <= 1e-5 * abs(ref)
-        assert max(r["grad_err"].values()) <= 1e-5
-        assert r["kinds"] == kinds, r["kinds"]
+_KINDS = {"auto": ["all_reduce", "all_to_all"], "ring": ["all_reduce", "ring"],
+          "kv_gather": ["all_gather", "all_reduce", "reduce_scatter"]}
 
 
-@pytest.mark.parametrize("arch,attn,kind", MASKED)
-def test_hf_padding_masks_and_packed_documents_on_4_ranks(pools, arch, attn, kind):
+@pytest.mark.parametrize("arch,attn,kind,attention", MASKED)
+def test_hf_padding_masks_and_packed_documents_on_4_ranks(pools, arch, attn, kind, attention):
     """A padding attention_mask (left or right, per-row amounts that cross shard boundaries) and
     packed documents (position_ids restarting per document: HF's document-causal mask): exact, with
-    Ulysses' collectives (the masks are built replicated from the full inputs, as on one device)."""
-    for r in pools(4).run(cases.hf_masked_exactness, arch, attn, kind, 2, 64):
+    Ulysses' collectives (the masks are built replicated from the full inputs, as on one device),
+    and with attention forced to a ring or to gathered K/V, whose blocks read their rows and
+    columns of the replicated mask (the kernel's collectives only)."""
+    for r in pools(4).run(cases.hf_masked_exactness, arch, attn, kind, 2, 64, attention):
         loss, ref = r["loss"]
         assert abs(loss - ref) <= 1e-5 * abs(ref)
         assert max(r["grad_err"].values()) <= 1e-5
-        assert r["kinds"] == ["all_reduce", "all_to_all"], r["kinds"]
+        assert r["kinds"] == _KINDS[attention], r["kinds"]

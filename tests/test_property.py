@@ -32,7 +32,7 @@ def configurations(draw):
 
 
 @seed(int(os.environ.get("AUTOSP_HYPOTHESIS_SEED", 0)))
-@settings(max_examples=int(os.environ.get("AUTOSP_HYPOTHESIS_EXAMPLES", 8)), deadline=None, derandomize=True,
+@settings(max_examples=int(os.environ.get("AUTOSP_HYPOTHESIS_EXAMPLES", 6)), deadline=None, derandomize=True,
           database=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(cfg=configurations())
 def test_random_small_configurations_match_one_device(pools, cfg):

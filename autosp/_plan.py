@@ -9,7 +9,7 @@ import torch.fx as fx
 from .errors import source_line
 from .partition._checkpoint import Checkpoint
 from .partition._memory import MemoryEstimate
-from .propagate._placement import R, chunks, nbytes, redistribute_kind, shard_spec, transfer_bytes
+from .propagate._placement import R, chunks, nbytes, redistribute_kind, transfer_bytes
 from .propagate._rules import _heads_split, _is_causal as _causal, out_vals, tensor_inputs
 from .propagate._solver import Choice
 

@@ -30,7 +30,10 @@ import math
 import torch
 import torch.distributed._functional_collectives as funcol
 
+from torch.distributed.tensor import Shard
+
 from ..propagate._placement import chunks
+from ._collectives import _offsets, redistribute
 
 __all__ = ["kv_gathered_attention", "kv_gathered_attention_backward", "ring_attention", "ring_attention_backward",
            "ring_bytes", "hybrid_attention", "hybrid_attention_backward", "hybrid_bytes"]
@@ -88,11 +91,8 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 
 def _bounds(S: int, n: int) -> list[tuple[int, int]]:
     """(start, end) of each rank's contiguous chunk of a sequence of S."""
-    cs, out, o = chunks(S, n), [], 0
-    for c in cs:
-        out.append((o, o + c))
-        o += c
-    return out
+    cs = chunks(S, n)
+    return [(o, o + c) for o, c in zip(_offsets(cs), cs)]
 
 
 def _halves(S: int, n: int) -> list[tuple[int, int]]:
@@ -395,26 +395,18 @@ def ring_bytes(q, k, v, n: int, causal: bool) -> tuple[float, float]:
 # ---------------------------------------------------------------------------------------------
 # hybrid: Ulysses within sub-groups of u ranks, ring attention across the n / u sub-groups
 
-def _seq_to_heads(x: torch.Tensor, u: int, group) -> torch.Tensor:
-    """(B, H, c, D) sequence chunks of the u ranks of a sub-group -> (B, H / u, u c, D): this
-    rank's heads of the sub-group's sequence (Ulysses' all-to-all). A log-sum-exp's (B, H, c) too."""
-    y = x if x.ndim == 4 else x.unsqueeze(-1)
-    B, H, c, D = y.shape
-    y = y.reshape(B, u, H // u, c, D).movedim(1, 0).contiguous()
-    got = funcol.all_to_all_single(y.reshape(-1), None, None, group)
-    y = got.reshape(u, B, H // u, c, D).movedim(0, 2).reshape(B, H // u, u * c, D)
-    return y if x.ndim == 4 else y.squeeze(-1)
+def _seq_to_heads(x: torch.Tensor, u: int, i: int, group) -> torch.Tensor:
+    """(B, H, c, ...) sequence chunks of the u ranks of a sub-group -> (B, H / u, u c, ...): this
+    rank's heads of the sub-group's sequence, Shard(2) -> Shard(1) over the sub-group (the plan's
+    own all-to-all; the length divides evenly, which the hybrid's rule requires)."""
+    shape = [*x.shape[:2], u * x.shape[2], *x.shape[3:]]
+    return redistribute(x, Shard(2), Shard(1), u, i, group, shape)
 
 
-def _heads_to_seq(x: torch.Tensor, u: int, group) -> torch.Tensor:
+def _heads_to_seq(x: torch.Tensor, u: int, i: int, group) -> torch.Tensor:
     """The inverse of ``_seq_to_heads``."""
-    y = x if x.ndim == 4 else x.unsqueeze(-1)
-    B, h, uc, D = y.shape
-    c = uc // u
-    y = y.reshape(B, h, u, c, D).movedim(2, 0).contiguous()
-    got = funcol.all_to_all_single(y.reshape(-1), None, None, group)
-    y = got.reshape(u, B, h, c, D).movedim(0, 1).reshape(B, u * h, c, D)
-    return y if x.ndim == 4 else y.squeeze(-1)
+    shape = [x.shape[0], u * x.shape[1], *x.shape[2:]]
+    return redistribute(x, Shard(1), Shard(2), u, i, group, shape)
 
 
 def _mask_heads(mask, u: int, i: int):
@@ -431,10 +423,10 @@ def hybrid_attention(q, k, v, *, S: int, rank: int, n: int, u: int, inner, outer
     into this rank's H / u heads of the sub-group's sequence, ring attention runs across the
     n / u sub-groups on those heads, and all-to-alls turn the result back."""
     g, i = divmod(rank, u)
-    qh, kh, vh = (_seq_to_heads(x, u, inner) for x in (q, k, v))
+    qh, kh, vh = (_seq_to_heads(x, u, i, inner) for x in (q, k, v))
     out, lse = ring_attention(qh, kh, vh, S=S, rank=g, n=n // u, group=outer, is_causal=is_causal, scale=scale,
                               attn_mask=_mask_heads(attn_mask, u, i))
-    return _heads_to_seq(out, u, inner), _heads_to_seq(lse, u, inner)
+    return _heads_to_seq(out, u, i, inner), _heads_to_seq(lse, u, i, inner)
 
 
 def hybrid_attention_backward(grad_out, q, k, v, out, lse, *, S: int, rank: int, n: int, u: int, inner, outer,
@@ -442,10 +434,10 @@ def hybrid_attention_backward(grad_out, q, k, v, out, lse, *, S: int, rank: int,
     """(grad q, grad k, grad v): the same all-to-alls, the ring's backward across the sub-groups,
     and the gradients back."""
     g, i = divmod(rank, u)
-    go, qh, kh, vh, oh, lh = (_seq_to_heads(x, u, inner) for x in (grad_out, q, k, v, out, lse))
+    go, qh, kh, vh, oh, lh = (_seq_to_heads(x, u, i, inner) for x in (grad_out, q, k, v, out, lse))
     dq, dk, dv = ring_attention_backward(go, qh, kh, vh, oh, lh, S=S, rank=g, n=n // u, group=outer,
                                          is_causal=is_causal, scale=scale, attn_mask=_mask_heads(attn_mask, u, i))
-    return tuple(_heads_to_seq(x, u, inner) for x in (dq, dk, dv))
+    return tuple(_heads_to_seq(x, u, i, inner) for x in (dq, dk, dv))
 
 
 def hybrid_bytes(q, k, v, n: int, u: int, causal: bool) -> tuple[float, float]:

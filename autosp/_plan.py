@@ -8,6 +8,7 @@ import torch.fx as fx
 
 from .errors import source_line
 from .partition._checkpoint import Checkpoint
+from .partition._fsdp import GATHER
 from .partition._memory import MemoryEstimate
 from .propagate._placement import R, chunks, nbytes, redistribute_kind, transfer_bytes
 from .propagate._rules import _heads_split, _is_causal as _causal, out_vals, tensor_inputs
@@ -94,7 +95,20 @@ def build_plan(joint: fx.GraphModule, choice: Choice, n: int) -> Plan:
             colls.append(Collective(plan[nd].kernel, "S(2)", "S(2)", tuple(kv.shape), str(kv.dtype).replace("torch.", ""),
                                     plan[nd].comm, nd.args[0].name, nd.name, str(nd.target), source_line(nd),
                                     nd in backward))
-    return Plan(n, placements, tuple(colls), choice.mem_bytes, tuple(_attention_notes(joint, plan, n)))
+    return Plan(n, placements, tuple(colls), choice.mem_bytes, tuple(_attention_notes(joint, plan, n) + _fsdp_notes(joint)))
+
+
+def _fsdp_notes(joint: fx.GraphModule) -> list[str]:
+    """One line for FSDP2's parameters: how many, over how many ranks, and when they are gathered."""
+    gathers = [nd for nd in joint.graph.nodes if nd.op == "call_function" and nd.target is GATHER]
+    if not gathers:
+        return []
+    full = sum(nbytes(out_vals(nd)[0]) for nd in gathers)
+    worlds = sorted({nd.args[3] for nd in gathers})
+    again = sum(bool(nd.args[6]) for nd in gathers)
+    return [f"FSDP2: {len(gathers)} parameters ({full / 2**20:.1f} MiB in full) sharded over {worlds} ranks: each "
+            f"gathered before its first use in the forward, {again} of them again in the backward (their modules "
+            "reshard after forward), gradients reduce-scattered"]
 
 
 def _attention_notes(joint: fx.GraphModule, plan, n: int) -> list[str]:

@@ -35,6 +35,7 @@ PRESETS = {
     # dim, layers, heads, kv_heads, ffn, vocab
     "tiny": dict(dim=128, layers=2, heads=8, kv_heads=4, ffn=384, vocab=256),
     "small": dict(dim=256, layers=4, heads=8, kv_heads=4, ffn=768, vocab=256),
+    "medium": dict(dim=1024, layers=4, heads=8, kv_heads=4, ffn=2816, vocab=32000),
     "llama-1b": dict(dim=2048, layers=16, heads=32, kv_heads=8, ffn=8192, vocab=128256),
 }
 
@@ -60,6 +61,19 @@ def _peak(device: str) -> int:
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated()
     return _rss_bytes("VmHWM")
+
+
+def _held_bytes(model, optimizer) -> int:
+    """Bytes this rank holds in parameters, gradients and optimizer state, counted from the
+    tensors themselves (the local shard of a DTensor)."""
+    def nbytes(t) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+    held = sum(nbytes(p) + (nbytes(p.grad) if p.grad is not None else 0) for p in model.parameters())
+    if optimizer is not None:
+        held += sum(nbytes(t) for state in optimizer.state.values() for t in state.values())
+    return held
 
 
 def _comm_bytes(prof, element_size: int) -> int:
@@ -100,6 +114,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict, q) -> None:
             for _ in range(cfg["warmup"] - 1):
                 run()
             # after compilation (whose own memory is not the step's) and with gradients allocated
+            held = _held_bytes(model, getattr(run, "optimizer", None))
             base = _reset_peak(device)
             times = []
             for _ in range(cfg["steps"]):
@@ -116,7 +131,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict, q) -> None:
             step = statistics.median(times)
             record.update(step_time_s=step, tokens_per_s=ids.numel() / step,
                           compile_time_s=max(compile_time - step, 0.0), comm_bytes_per_step=_comm_bytes(prof, 4),
-                          peak_mem_bytes=peak, loss=loss, error=None)
+                          peak_mem_bytes=peak, held_bytes=held, base_mem_bytes=base, loss=loss, error=None)
     except Exception as e:  # noqa: BLE001 - a system that cannot run is a result too
         record.update(error=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}" if str(e).strip() else type(e).__name__)
         if os.environ.get("AUTOSP_BENCH_TRACE"):
@@ -160,7 +175,8 @@ def run_config(cfg: dict, timeout: float) -> dict:
     if errors:
         rec["error"] = errors[0]
     elif len(by_rank) > 1:
-        rec["peak_mem_bytes"] = max(r["peak_mem_bytes"] for r in by_rank.values())
+        for k in ("peak_mem_bytes", "held_bytes", "base_mem_bytes"):
+            rec[k] = max(r[k] for r in by_rank.values())
     rec["mode"] = "rank-local" if cfg["rank_local"] else ("single-device" if cfg["system"] == "single" else f"{world} ranks")
     if cfg["system"] == "single":
         rec["sp"] = 1
@@ -168,14 +184,16 @@ def run_config(cfg: dict, timeout: float) -> dict:
 
 
 def _table(records: list[dict]) -> str:
-    rows = ["| system | seq | sp | step time (s) | tokens/s | compile (s) | comm MiB/step/rank | peak mem MiB/rank | note |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| system | seq | sp | step time (s) | tokens/s | compile (s) | comm MiB/step/rank | peak mem MiB/rank | "
+            "held MiB/rank | note |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         if r.get("error"):
-            rows.append(f"| {r['system']} | {r['seq']} | {r['sp']} | - | - | - | - | - | {r['error']} |")
+            rows.append(f"| {r['system']} | {r['seq']} | {r['sp']} | - | - | - | - | - | - | {r['error']} |")
         else:
             rows.append(f"| {r['system']} | {r['seq']} | {r['sp']} | {r['step_time_s']:.3f} | {r['tokens_per_s']:.0f} | "
-                        f"{r['compile_time_s']:.1f} | {r['comm_bytes_per_step'] / 2**20:.2f} | {r['peak_mem_bytes'] / 2**20:.0f} | |")
+                        f"{r['compile_time_s']:.1f} | {r['comm_bytes_per_step'] / 2**20:.2f} | {r['peak_mem_bytes'] / 2**20:.0f} | "
+                        f"{r.get('held_bytes', 0) / 2**20:.0f} | |")
     return "\n".join(rows)
 
 

@@ -87,6 +87,31 @@ def _autosp(attention: str):
     return factory
 
 
+def _autosp_adamw(fsdp: bool):
+    """autosp with an AdamW step, the parameters plain (every rank holds all of them, their
+    gradients and optimizer state) or sharded by FSDP2 over the sp ranks (``fully_shard`` per
+    block and on the model: ZeRO-3). Gradients stay allocated between steps (zeroed, not freed),
+    as DDP keeps its buckets."""
+    def factory(model, ids, labels, mesh, compiler):
+        if fsdp:
+            from torch.distributed.fsdp import fully_shard
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh.sp_mesh)
+            fully_shard(model, mesh=mesh.sp_mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler=compiler)
+
+        def run():
+            loss = step(ids, labels)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            return loss.item()
+        run.optimizer = opt
+        return run
+    return factory
+
+
 SYSTEMS: dict[str, Callable] = {
     "single": single,
     "ulysses_eager": _ulysses(False),
@@ -96,4 +121,6 @@ SYSTEMS: dict[str, Callable] = {
     "autosp": _autosp("auto"),
     "autosp_ring": _autosp("ring"),
     "autosp_kv_gather": _autosp("kv_gather"),
+    "autosp_adamw": _autosp_adamw(False),
+    "autosp_fsdp": _autosp_adamw(True),
 }

@@ -592,3 +592,94 @@ def hybrid_kernel(S: int, causal: bool, heads: tuple[int, int] = (4, 2), u: int 
     own = sum(t.numel() for t in (*mine[:3], o, *mine[:3], o, mine[3], *grads)) * 8 + 2 * l.numel() * 8
     return {"err": max(errs), "sent": sum(numel for _, numel in events) * 8 - own / u,
             "planned": sum(hybrid_bytes(q, k, v, n, u, causal))}
+
+
+def fsdp_exactness(kind: str, b: int, L: int, dp: int, over: str, steps: int = 2, reshard: bool = True,
+                   dtype: torch.dtype = torch.float64) -> dict:
+    """FSDP2 (``fully_shard`` per block and on the model) under ``autosp.shard`` on a dp x sp mesh,
+    parameters sharded ``over`` "dp", "sp", "hsdp" (the autosp mesh: sharded over sp, replicated
+    over dp) or "world". Against one device on the same slices with DDP's averaging: each step's
+    loss, the first step's gradients (gathered from their shards), the parameters after the AdamW
+    steps; and the gathers gloo ran in the last step (forward and, resharded, backward)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    model = MODELS[kind]().to(dtype)
+    ref = copy.deepcopy(model)
+    full_numel = sum(p.numel() for p in model.parameters())
+    with autosp.mesh(dp=dp) as m:
+        mesh = {"dp": lambda: m.device_mesh["dp"], "sp": lambda: m.device_mesh["sp"], "hsdp": lambda: m.device_mesh,
+                "world": lambda: init_device_mesh("cpu", (dist.get_world_size(),))}[over]()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+        step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager")
+        losses = []
+        for i in range(steps):
+            ids, labels = batch(kind, b, L, seed=i)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as fwd:
+                loss = step(ids, labels)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as bwd:
+                loss.backward()
+            ref_losses = [ref(x, y) for x, y in zip(ids.tensor_split(dp), labels.tensor_split(dp))]
+            (sum(ref_losses) / dp).backward()
+            losses.append((loss.item(), ref_losses[m.dp_rank].item()))
+            if i == 0:
+                assert all(isinstance(p.grad, DTensor) for p in model.parameters())
+                grad_err = {n: _rel(p.grad.full_tensor(), q.grad) for (n, p), q in zip(model.named_parameters(),
+                                                                                        ref.parameters())}
+            opt.step(), ref_opt.step()
+            opt.zero_grad(), ref_opt.zero_grad()
+        # what ran, as the profiler recorded it: the gather op calls (each issues one gloo all-gather
+        # inside) and the gloo all-gathers themselves, forward and backward
+        ran = [(sum(e.name == "autosp::fsdp_gather" for e in prof.events()),
+                sum(e.name == "gloo:all_gather" for e in prof.events())) for prof in (fwd, bwd)]
+        local_numel = sum(p.to_local().numel() for p in model.parameters())
+        state_numel = sum(t.to_local().numel() for s in opt.state.values() for t in s.values()
+                          if isinstance(t, DTensor))
+        param_err = max(_rel(p.full_tensor(), q) for p, q in zip(model.parameters(), ref.parameters()))
+        notes = list(step.plan.notes)
+    return {"notes": notes, "losses": losses, "grad_err": grad_err, "param_err": param_err, "full_numel": full_numel,
+            "local_numel": local_numel, "state_numel": state_numel, "shard_ranks": mesh.size(mesh.ndim - 1),
+            "params": len(list(model.parameters())), "block_params": len(list(model.blocks.parameters())),
+            "gathers": ran}
+
+
+def fsdp_ops(over: str) -> dict:
+    """The gather and its gradient on the layouts ``fully_shard`` leaves (DTensor's ``Shard(d)``:
+    ceil(size / ranks) rows, the last ranks fewer or none), against the full tensor and the sum
+    of every rank's contribution; and the error for an FSDP2 mixed-precision policy."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from autosp.partition._fsdp import fsdp_gather, fsdp_reduce
+    r, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    with autosp.mesh(dp=2) as m:
+        mesh = {"dp": m.device_mesh["dp"], "world": init_device_mesh("cpu", (world,))}[over]
+        group, n = mesh.get_group(), mesh.size()
+        outer = m.sp_group.group_name if over == "dp" else ""
+        for size, dim in [(10, 0), (3, 0), (6, 1), (8, 0)]:
+            shape = [size, 5] if dim == 0 else [4, size]
+            full = torch.randn(shape, generator=torch.Generator().manual_seed(size), dtype=torch.float64)
+            shard = distribute_tensor(full, mesh, [Shard(dim)]).to_local()
+            got = fsdp_gather(shard, dim, size, n, outer, 2, True, group.group_name)
+            contrib = [torch.randn(shape, generator=torch.Generator().manual_seed(100 + k), dtype=torch.float64)
+                       for k in range(world)]
+            reduced = fsdp_reduce(contrib[r], dim, shard.shape[dim], n, outer, 2, group.group_name)
+            want = distribute_tensor(sum(contrib) / 2, mesh, [Shard(dim)]).to_local()
+            out[(size, dim)] = (tuple(shard.shape), (got - full).abs().max().item(), (reduced - want).abs().max().item()
+                                if want.numel() else 0.0, tuple(reduced.shape) == tuple(want.shape))
+        model = MODELS["llama"]()
+        fully_shard(model, mesh=m.device_mesh["dp"], mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        try:
+            autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager")(*batch("llama", 2, 16, 0))
+            out["error"] = None
+        except ValueError as e:
+            out["error"] = str(e)
+    return out

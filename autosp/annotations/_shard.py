@@ -13,6 +13,7 @@ from ..backend._backend import Options, make_backend
 from ..errors import PlanError
 from ..partition._checkpoint import check_policy
 from ..propagate._solver import ATTENTION_KERNELS
+from ._fsdp import FsdpParams, find_fsdp
 from ._mesh import Mesh, current_mesh
 from ._spec import annotate
 
@@ -22,6 +23,8 @@ __all__ = ["shard", "explain", "GraphBreakError"]
 class GraphBreakError(PlanError):
     """The step cannot be captured as one graph."""
 
+
+_SHARDS = "__autosp_fsdp_shards"  # the keyword the step receives FSDP2 shards under
 
 SeqSpec = bool | str | Sequence[str] | Mapping[str, int]
 
@@ -111,6 +114,7 @@ class _Sharded:
     def __init__(self, fn: Callable, seq: SeqSpec, options: Options):
         self.fn, self.seq, self.options = fn, seq, options
         self._compiled: dict[int, Callable] = {}
+        self._fsdp_params: dict[int, FsdpParams | None] = {}
         self.plan = None  # the Plan of the latest compile, as autosp.explain shows it
         functools.update_wrapper(self, fn)
 
@@ -120,9 +124,14 @@ class _Sharded:
     def _step(self, m: Mesh, on_plan=None) -> Callable:
         n = m.sp_size
 
+        fsdp = self._fsdp(m)
+
         def step(*args, **kwargs):
+            shards = kwargs.pop(_SHARDS, None)
             args, kwargs = _map_inputs(self.fn, self.seq, args, kwargs,
                                        lambda name, value, dim: annotate(value, Shard(dim), hard=False))
+            if shards is not None:
+                return fsdp.call(shards, self.fn, args, kwargs)
             return self.fn(*args, **kwargs)
 
         # Dynamo caches compiled code per code object, and every _Sharded shares this `step`:
@@ -134,6 +143,20 @@ class _Sharded:
         else:
             backend = make_backend(m, self.options, on_plan or self._record)
         return torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
+
+    def _fsdp(self, m: Mesh):
+        """The FSDP2 parameters the function reaches (None without), found once per mesh."""
+        key = id(m.device_mesh)
+        if key not in self._fsdp_params:
+            self._fsdp_params[key] = find_fsdp(self.fn, m)
+        return self._fsdp_params[key]
+
+    def _run(self, m: Mesh, step: Callable, args, kwargs):
+        fsdp = self._fsdp(m)
+        if fsdp is None:
+            return _unwrap_errors(lambda: step(*args, **kwargs))
+        with fsdp.hooks_suspended():
+            return _unwrap_errors(lambda: step(*args, **{**kwargs, _SHARDS: fsdp.shards()}))
 
     def _mesh(self) -> Mesh:
         m = current_mesh()
@@ -168,7 +191,7 @@ class _Sharded:
         key = id(m.device_mesh)
         if key not in self._compiled:
             self._compiled[key] = self._step(m)
-        out = _unwrap_errors(lambda: self._compiled[key](*args, **kwargs))
+        out = self._run(m, self._compiled[key], args, kwargs)
         if m.sp_size * m.dp_size > 1 and self.plan is None and torch.is_grad_enabled():
             raise RuntimeError("autosp: the step ran without the autosp backend (nothing required grad, or Dynamo fell back to eager); "
                                "the results were computed unsharded")
@@ -185,7 +208,7 @@ class _Sharded:
 
         step = self._step(m, on_plan=capture)
         try:
-            _unwrap_errors(lambda: step(*args, **kwargs))
+            self._run(m, step, args, kwargs)
         except _PlanCaptured as e:
             return e.plan
         finally:

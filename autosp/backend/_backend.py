@@ -22,6 +22,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from .._plan import Plan, build_plan
 from ..errors import PlanError
 from ..partition._checkpoint import checkpoint_partition
+from ..partition._fsdp import FSDP_OPS, gathers_at_first_use
 from ..partition._localize import localize
 from ..propagate._solver import propagate, solve
 
@@ -133,7 +134,8 @@ def _collective_order(*graphs: fx.GraphModule) -> list[list[str]]:
     (ranks of different sub-groups of a 2D sp mesh use different groups in the same roles)."""
     groups: dict[str, int] = {}
     return [[f"{nd.target}@{groups.setdefault(str(nd.args[-1]), len(groups))}" for nd in g.graph.nodes
-             if nd.op == "call_function" and "_c10d_functional" in str(nd.target) and "wait_tensor" not in str(nd.target)]
+             if nd.op == "call_function" and ("_c10d_functional" in str(nd.target) or nd.target in FSDP_OPS)
+            and "wait_tensor" not in str(nd.target)]
             for g in graphs]
 
 
@@ -185,6 +187,7 @@ def make_backend(mesh, options: Options, on_plan: Callable[[Plan], None] | None 
                          mesh.dp_group.group_name if dp > 1 else None,
                          torch.distributed.group.WORLD.group_name if dp > 1 else None,
                          (mesh.ulysses_size, *mesh.hybrid_groups) if mesh.hybrid_groups else None)
+        local = gathers_at_first_use(local)
         _debug("localize", local, t0)
         t0 = time.perf_counter()
         fw, bw, ckpt = checkpoint_partition(local, joint_inputs, options.checkpoint, num_fwd_outputs=num_fwd_outputs,

@@ -36,6 +36,7 @@ from torch.fx.operator_schemas import normalize_function
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..errors import PlanError
+from ._fsdp import GATHER as _FSDP_GATHER, fsdp_tags
 from ._memory import MemoryEstimate, estimate_memory
 
 __all__ = ["Checkpoint", "Rung", "checkpoint_partition", "check_policy", "select"]
@@ -50,8 +51,9 @@ AUTO_OVERHEAD = 0.10
 RUNGS = 5  # rungs between "none" and "full", at quantiles of the ops' cost per byte
 
 aten = torch.ops.aten
-# a module reached by indexing a container: "model.layers.3", "L['self'].model.layers[3]"
-_LAYER = re.compile(r"(?:\.\d+|\[\d+\])$")
+# a module reached by indexing a container: "model.layers.3", "L['self'].model.layers[3]",
+# "getattr(L['fsdp'].tops[0].blocks, '3')" (how Dynamo names it under a swapped-parameter call)
+_LAYER = re.compile(r"(?:\.\d+|\[\d+\]|, '\d+'\))$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,8 +254,11 @@ def _ladder(gm: fx.GraphModule, cost: dict[str, float]) -> tuple[list[tuple[str,
 
 
 def _recompute_cost(fw: fx.GraphModule, bw: fx.GraphModule, cost_of) -> float:
+    """What the backward recomputes (FSDP's parameter gathers are communication, as FSDP2 runs
+    them in every setting, not activation recompute)."""
     fw_names = {nd.name for nd in fw.graph.nodes if nd.op == "call_function"}
-    return sum(cost_of(nd) for nd in bw.graph.nodes if nd.op == "call_function" and nd.name in fw_names)
+    return sum(cost_of(nd) for nd in bw.graph.nodes
+               if nd.op == "call_function" and nd.name in fw_names and nd.target is not _FSDP_GATHER)
 
 
 def _settled(policy, rung: Rung) -> bool:
@@ -285,6 +290,10 @@ def checkpoint_partition(gm: fx.GraphModule, joint_inputs, policy, *, num_fwd_ou
     step_cost = sum(cost.values())
     attention_cost = sum(cost[nd.name] for nd in ops if _kind(nd) == "attention")
     ladder, regions = _ladder(gm, cost)
+    # FSDP2's parameter gathers: re-gathered in the backward (or kept) under every policy
+    params = fsdp_tags(gm)
+    regions = {**regions, **{k: region for k, (_, region) in params.items()}}
+    ladder = [(name, {**tags, **{k: tag for k, (tag, _) in params.items()}}) for name, tags in ladder]
     if policy in ("none", "full") and not every_rung:
         ladder = ladder[:1] if policy == "none" else ladder[-1:]
 

@@ -19,6 +19,7 @@ from ..propagate._solver import Choice
 from ._attention import (kv_gathered_attention, kv_gathered_attention_backward, ring_attention_backward_op,
                          ring_attention_op)
 from ._collectives import redistribute
+from ._fsdp import REDUCE as _FSDP_REDUCE
 from ._random import sharded_dropout
 
 __all__ = ["localize"]
@@ -122,6 +123,9 @@ def localize(joint: fx.GraphModule, choice: Choice, joint_inputs, n: int, rank: 
             if target is aten.native_dropout.default and any(is_shard(q) for q in s.ins):
                 args = (args[0], args[1], args[2] if len(args) > 2 else kwargs.pop("train", None), rank)
                 target = lambda x, p, train, rank: sharded_dropout(x, p, train, rank)  # noqa: E731
+            if target is _FSDP_REDUCE and s.ins[0] == R and n > 1 and rank != 0:
+                # a replicated gradient is counted once in the op's sum over the sp ranks
+                args = (torch.zeros_like(args[0]),) + tuple(args[1:])
             if s.kernel in ("ring", "kv_gather", "hybrid"):
                 args, kwargs, target = _seq_attention(nd, s.kernel, target, args, kwargs, n, rank, group, hybrid)
             if target in (aten.view.default, aten._unsafe_view.default):
@@ -140,7 +144,7 @@ def localize(joint: fx.GraphModule, choice: Choice, joint_inputs, n: int, rank: 
             if dp == 1:
                 done = dict(zip(partial, _bucketed_all_reduce([env[a] for a in partial], group)))
             else:
-                rest = [a for a in grads if isinstance(a, fx.Node) and a not in partial
+                rest = [a for a in grads if isinstance(a, fx.Node) and a not in partial and a.target is not _FSDP_REDUCE
                         and isinstance(out_vals(a)[0], torch.Tensor) and out_vals(a)[0].is_floating_point()]
                 summed = _bucketed_all_reduce([env[a] for a in partial], world_group) + _bucketed_all_reduce(
                     [redistribute(env[a], plan[a].outs[0], R, n, rank, group, out_vals(a)[0].shape) for a in rest],

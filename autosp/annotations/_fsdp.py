@@ -1,0 +1,211 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) under ``autosp.shard``: ZeRO-3 semantics inside
+the captured step.
+
+FSDP2 runs its all-gathers and reduce-scatters from module hooks that Dynamo does not trace (they
+are ``torch._dynamo.disable``d), so a ``fullgraph`` capture of an FSDP model breaks. autosp takes
+the parameter traffic over instead, as SimpleFSDP does: the step receives each parameter's local
+shard (``DTensor.to_local()``, so gradients land in the sharded ``.grad`` as FSDP2 leaves them),
+gathers it in the graph (``autosp::fsdp_gather``) and runs the user's function with the module's
+parameters swapped for the gathered ones; FSDP2's forward hooks are suspended for the call. The
+optimizer then steps the sharded parameters, so its state is sharded too.
+
+The FSDP group may be the dp group, the sp group (with the autosp mesh itself given to
+``fully_shard``: HSDP, replicated over dp) or every rank. Gradients are what the step's contract
+says (the sum over sp of the partial gradients, averaged over the dp replicas), each rank keeping
+its shard.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.nn.utils.stateless import _reparametrize_module
+
+from ..partition._fsdp import fsdp_gather
+
+__all__ = ["FsdpParams", "find_fsdp"]
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called")
+
+
+def _candidates(fn) -> list[nn.Module]:
+    """The modules a step function can reach without tracing it: the function itself, a bound
+    method's object, functools.partial arguments, closure cells, the globals its code names, and
+    one level of attributes of those objects (``self.model``)."""
+    out: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def add(obj, depth: int) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, nn.Module):
+            out.append(obj)
+        elif isinstance(obj, functools.partial):
+            for a in (obj.func, *obj.args, *obj.keywords.values()):
+                add(a, depth)
+        elif callable(obj) and hasattr(obj, "__code__"):
+            if getattr(obj, "__self__", None) is not None:
+                add(obj.__self__, depth)
+            f = getattr(obj, "__func__", obj)
+            for cell in f.__closure__ or ():
+                try:
+                    add(cell.cell_contents, depth)
+                except ValueError:  # an empty cell
+                    pass
+            for name in f.__code__.co_names:
+                if name in f.__globals__:
+                    add(f.__globals__[name], depth)
+        elif depth == 0 and hasattr(obj, "__dict__") and not isinstance(obj, type):
+            for v in vars(obj).values():
+                add(v, 1)
+        elif isinstance(obj, (list, tuple, dict)) and depth == 0:
+            for v in (obj.values() if isinstance(obj, dict) else obj):
+                add(v, 1)
+
+    add(fn, 0)
+    return out
+
+
+def _ranks(group) -> tuple[int, ...]:
+    return tuple(sorted(dist.get_process_group_ranks(group)))
+
+
+@dataclass(frozen=True)
+class _Param:
+    param: DTensor
+    args: tuple  # fsdp_gather's arguments after the shard
+
+
+@dataclass(frozen=True)
+class FsdpParams:
+    """The FSDP2-managed parameters a step uses: per top-level FSDP module, the names (relative to
+    it) of its sharded parameters, and each parameter's gather arguments."""
+
+    tops: tuple[nn.Module, ...]
+    params: tuple[_Param, ...]
+    names: tuple[tuple[tuple[str, ...], ...], ...]  # per top module, per param: its names there ("" if none)
+    states: tuple
+
+    def shards(self) -> list[torch.Tensor]:
+        return [p.param.to_local() for p in self.params]
+
+    def call(self, shards, fn, args, kwargs):
+        """``fn(*args, **kwargs)`` with the modules' parameters gathered from ``shards`` (traced)."""
+        fulls = [fsdp_gather(s, *p.args) for s, p in zip(shards, self.params)]
+
+        def run(i: int):
+            if i == len(self.tops):
+                return fn(*args, **kwargs)
+            swap = {name: full for names, full in zip(self.names[i], fulls) for name in names}
+            with _reparametrize_module(self.tops[i], swap):
+                return run(i + 1)
+
+        return run(0)
+
+    @contextlib.contextmanager
+    def hooks_suspended(self):
+        """FSDP2's forward hooks (unshard, reshard, backward registration) off for the call."""
+        saved = []
+        for st in self.states:
+            ids = set()
+            for h in (st._pre_forward_hook_handle, st._post_forward_hook_handle):
+                stack = [h]
+                while stack:
+                    x = stack.pop()
+                    if hasattr(x, "handles"):
+                        stack.extend(x.handles)
+                    elif hasattr(x, "id"):
+                        ids.add(x.id)
+            for mod in st._modules:
+                for attr in _HOOK_DICTS:
+                    d = getattr(mod, attr)
+                    if any(k in d for k in ids):
+                        saved.append((d, dict(d)))
+                        for k in ids:
+                            d.pop(k, None)
+        try:
+            yield
+        finally:
+            for d, copy in saved:
+                d.clear()
+                d.update(copy)
+
+
+def _fsdp_error(name: str, what: str, fix: str) -> ValueError:
+    return ValueError(f"autosp: FSDP2 parameter {name!r} {what}; {fix}")
+
+
+def find_fsdp(fn, mesh) -> FsdpParams | None:
+    """The FSDP2 parameters ``fn`` reaches (see ``_candidates``), or None without any."""
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp = []
+    for root in _candidates(fn):
+        for mod in root.modules():
+            if isinstance(mod, FSDPModule) and all(mod is not f for f in fsdp):
+                fsdp.append(mod)
+    if not fsdp:
+        return None
+    inside = {id(sub) for f in fsdp for sub in f.modules() if sub is not f}
+    tops = tuple(f for f in fsdp if id(f) not in inside)
+    world = tuple(range(dist.get_world_size()))
+    dp_ranks, sp_ranks = _ranks(mesh.dp_group), _ranks(mesh.sp_group)
+    params: list[_Param] = []
+    seen: set[int] = set()
+    states = []
+    for mod in fsdp:
+        st = mod._get_fsdp_state()
+        states.append(st)
+        mp = st._mp_policy
+        for pg in st._fsdp_param_groups:
+            reshard = pg.post_forward_mesh_info is not None and not (st._auto_reshard_after_forward and mod in tops)
+            for fp in pg.fsdp_params:
+                p = fp.sharded_param
+                name = f"{type(fp._module_info.module).__name__}.{fp._module_info.param_name}"
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                if mp.param_dtype is not None or mp.reduce_dtype is not None:
+                    raise _fsdp_error(name, f"has a mixed-precision policy ({mp})",
+                                      "autosp runs FSDP2 parameters in their own dtype: drop mp_policy and cast the "
+                                      "model (model.to(torch.bfloat16)) instead")
+                if type(getattr(pg, "offload_policy", None)).__name__ == "CPUOffloadPolicy":
+                    raise _fsdp_error(name, "is offloaded to the CPU (CPUOffloadPolicy)",
+                                      "autosp keeps shards where they are: drop offload_policy")
+                shard_dims = [i for i, q in enumerate(p.placements) if isinstance(q, Shard)]
+                if len(shard_dims) != 1 or type(p.placements[shard_dims[0]]) is not Shard or \
+                        any(not isinstance(q, (Shard, Replicate)) for q in p.placements):
+                    raise _fsdp_error(name, f"has placements {p.placements} on {p.device_mesh}",
+                                      "autosp composes with FSDP2 sharding over one mesh dim (Shard(d)), optionally "
+                                      "replicated over another (HSDP)")
+                i = shard_dims[0]
+                group = p.device_mesh.get_group(i)
+                ranks = _ranks(group)
+                if ranks == world:
+                    outer = ""
+                elif ranks == dp_ranks:
+                    outer = mesh.sp_group.group_name if mesh.sp_size > 1 else ""
+                elif ranks == sp_ranks:
+                    outer = mesh.dp_group.group_name if mesh.dp_size > 1 else ""
+                else:
+                    raise _fsdp_error(name, f"is sharded over ranks {list(ranks)}, which are neither the autosp mesh's "
+                                      f"dp group {list(dp_ranks)}, its sp group {list(sp_ranks)} nor every rank",
+                                      "pass fully_shard(mesh=m.device_mesh['dp']), m.device_mesh['sp'], "
+                                      "m.device_mesh (HSDP: sharded over sp, replicated over dp) or a mesh of "
+                                      "every rank")
+                d = p.placements[i].dim
+                params.append(_Param(p, (d, p.shape[d], len(ranks), outer, mesh.dp_size, reshard, group.group_name)))
+    names = []
+    for top in tops:
+        by_id: dict[int, list[str]] = {}
+        for n, q in top.named_parameters(remove_duplicate=False):
+            by_id.setdefault(id(q), []).append(n)
+        names.append(tuple(tuple(by_id.get(id(p.param), ())) for p in params))
+    return FsdpParams(tops, tuple(params), tuple(names), tuple(states))

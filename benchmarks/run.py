@@ -102,7 +102,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict, q) -> None:
         if cfg["rank_local"]:
             from torch.testing._internal.distributed.fake_pg import FakeStore
             dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cfg["sp"])
-        with autosp.mesh(sp=world if not cfg["rank_local"] else cfg["sp"]) as mesh:
+        with autosp.mesh(sp=world if not cfg["rank_local"] else cfg["sp"], ulysses=cfg.get("ulysses") if world > 1 else None) as mesh:
             torch.manual_seed(0)
             model = Llama(LlamaConfig(**PRESETS[cfg["preset"]])).to(device)
             g = torch.Generator().manual_seed(1)
@@ -226,6 +226,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rank-local", action="store_true")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--ulysses", type=int, default=None,
+                    help="lay sp out as sub-groups of this many ranks (autosp.mesh(ulysses=...)), for hybrid attention")
     args = ap.parse_args(argv)
     seqs = [int(s) for s in args.seqs.split(",")] if args.seqs else ([4096] if args.quick else [1024, 2048, 4096, 8192])
     preset = args.preset or ("tiny" if args.quick else "small")
@@ -238,7 +240,7 @@ def main(argv=None) -> None:
     for seq in seqs:
         for system in systems:
             cfg = dict(system=system, seq=seq, sp=args.sp, preset=preset, device=args.device, compiler=args.compiler,
-                       rank_local=args.rank_local, steps=args.steps, warmup=2, batch=args.batch,
+                       rank_local=args.rank_local, steps=args.steps, warmup=2, batch=args.batch, ulysses=args.ulysses,
                        threads=threads if system != "single" else (os.cpu_count() or 1))
             rec = run_config(cfg, timeout=900)
             rec.update(preset=preset, device=args.device, compiler=args.compiler)

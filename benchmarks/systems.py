@@ -74,7 +74,8 @@ def context_parallel(model, ids, labels, mesh, compiler):
 
 
 def _autosp(attention: str):
-    """autosp with its attention kernel chosen by cost ("auto") or forced ("ring", "kv_gather")."""
+    """autosp with its attention kernel chosen by cost ("auto") or forced ("ring", "kv_gather",
+    "hybrid")."""
     def factory(model, ids, labels, mesh, compiler):
         step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler=compiler,
                             attention=attention)
@@ -121,6 +122,7 @@ SYSTEMS: dict[str, Callable] = {
     "autosp": _autosp("auto"),
     "autosp_ring": _autosp("ring"),
     "autosp_kv_gather": _autosp("kv_gather"),
+    "autosp_hybrid": _autosp("hybrid"),  # needs --ulysses (a 2D sp mesh)
     "autosp_adamw": _autosp_adamw(False),
     "autosp_fsdp": _autosp_adamw(True),
 }

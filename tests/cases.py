@@ -682,4 +682,11 @@ def fsdp_ops(over: str) -> dict:
             out["error"] = None
         except ValueError as e:
             out["error"] = str(e)
+        hidden = {"models": [fully_shard(MODELS["llama"](), mesh=m.device_mesh["dp"])]}  # two levels down
+        try:
+            autosp.shard(lambda input_ids, labels: hidden["models"][0](input_ids, labels),
+                         compiler="aot_eager")(*batch("llama", 2, 16, 0))
+            out["hidden"] = None
+        except autosp.GraphBreakError as e:
+            out["hidden"] = str(e)
     return out

@@ -38,6 +38,8 @@ def test_fsdp_gather_and_reduce_on_uneven_shards(pools, over):
     for r in pools(4).run(cases.fsdp_ops, over):
         err = r.pop("error")
         assert "mixed-precision" in err and "mp_policy" in err, err
+        hidden = r.pop("hidden")  # an FSDP module the step reaches only through a dict of lists
+        assert "FSDP2 module" in hidden and "autosp.shard(model)" in hidden, hidden
         for (size, dim), (shape, gather_err, reduce_err, same_shape) in r.items():
             assert gather_err == 0.0, (size, dim, shape)
             assert same_shape and reduce_err <= 1e-12, (size, dim, shape, reduce_err)

@@ -92,6 +92,11 @@ def _unwrap_errors(call):
             i = frames[-1]
             where = " at " + lines[i].replace("File ", "").replace('"', "").replace(", line ", ":")
             where += (": " + lines[i + 1]) if i + 1 < len(lines) else ""
+        if "_fully_shard" in str(e):
+            raise GraphBreakError(None, f"an FSDP2 module (fully_shard) ran inside the step{where}, but autosp did not "
+                                  "find it through the step function, so its hooks broke the graph",
+                                  "pass the module to autosp.shard(model), or reach it from the step function's "
+                                  "closure, globals or a bound method's object") from None
         raise GraphBreakError(None, f"the step cannot be captured as one graph (graph break){where}: {lines[0]}",
                               "rewrite that line with torch ops (no data-dependent Python control flow, "
                               "no .item()/.tolist(), no print)") from None

@@ -25,6 +25,7 @@ on those heads, and all-to-alls turn the result back.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -379,11 +380,16 @@ def ring_bytes(q, k, v, n: int, causal: bool) -> tuple[float, float]:
     the gradient accumulators n times (in the merge dtype), and under a causal mask the query-side
     rows the zigzag moves to another rank (q in, out and log-sum-exp back; grad_out, q, out,
     log-sum-exp in and grad q back)."""
-    item, acc = q.element_size(), _acc(q.dtype).itemsize
-    S = q.shape[2]
-    heads = q.shape[0] * q.shape[1]
-    kv_row = q.shape[0] * (k.shape[1] * k.shape[3] + v.shape[1] * v.shape[3]) * item
-    q_row, o_row, l_row = heads * q.shape[3] * item, heads * v.shape[3] * item, heads * acc
+    return _ring_bytes(tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, n, causal)
+
+
+@functools.lru_cache(maxsize=1024)  # propagation asks once per rule call; the walk is O(n^2) in Python
+def _ring_bytes(q: tuple, k: tuple, v: tuple, dtype: torch.dtype, n: int, causal: bool) -> tuple[float, float]:
+    item, acc = dtype.itemsize, _acc(dtype).itemsize
+    S = q[2]
+    heads = q[0] * q[1]
+    kv_row = q[0] * (k[1] * k[3] + v[1] * v[3]) * item
+    q_row, o_row, l_row = heads * q[3] * item, heads * v[3] * item, heads * acc
     rows = [b - a for a, b in _bounds(S, n)]
     kv = sum(rows[(r - t) % n] * kv_row for r in range(n) for t in range(n - 1) if _kv_sends(S, n, r, t, causal))
     moved = sum(b - a for h, (a, b) in enumerate(_halves(S, n)) if _zigzag_owner(h, n) != h // 2) if causal else 0
@@ -450,8 +456,8 @@ def hybrid_bytes(q, k, v, n: int, u: int, causal: bool) -> tuple[float, float]:
     frac = (u - 1) / u / n
     qb, kb, vb, ob, lb = (q.numel() * item, k.numel() * item, v.numel() * item, B * H * S * v.shape[3] * item,
                           B * H * S * acc)
-    sub = lambda x: x.new_empty(x.shape[0], x.shape[1] // u, *x.shape[2:])  # noqa: E731
-    ring_fwd, ring_bwd = ring_bytes(sub(q), sub(k), sub(v), n // u, causal)
+    sub = lambda x: (x.shape[0], x.shape[1] // u, *x.shape[2:])  # noqa: E731
+    ring_fwd, ring_bwd = _ring_bytes(sub(q), sub(k), sub(v), q.dtype, n // u, causal)
     fwd = frac * (qb + kb + vb + ob + lb) + ring_fwd
     bwd = frac * (ob + qb + kb + vb + ob + lb + qb + kb + vb) + ring_bwd
     return fwd, bwd

@@ -35,6 +35,7 @@ PRESETS = {
     # dim, layers, heads, kv_heads, ffn, vocab
     "tiny": dict(dim=128, layers=2, heads=8, kv_heads=4, ffn=384, vocab=256),
     "small": dict(dim=256, layers=4, heads=8, kv_heads=4, ffn=768, vocab=256),
+    "small-2kv": dict(dim=256, layers=4, heads=8, kv_heads=2, ffn=768, vocab=256),  # K/V heads < 4 ranks
     "medium": dict(dim=1024, layers=4, heads=8, kv_heads=4, ffn=2816, vocab=32000),
     "llama-1b": dict(dim=2048, layers=16, heads=32, kv_heads=8, ffn=8192, vocab=128256),
 }

@@ -6,6 +6,8 @@ for one model, mesh and set of sequence lengths, in one run.
     python -m benchmarks.run --device cuda --sp 2 --out ...    # NCCL, Inductor/Triton
     python -m benchmarks.run --device cuda --rank-local --sp 8 --seqs 65536 --preset llama-1b
         # one GPU: one rank's share of an 8-rank job, collectives on a fake process group
+    python -m benchmarks.run --sp 2 --dp 2 --batch 2 --systems autosp,autosp_fsdp ...   # a 2 x 2 mesh
+    python -m benchmarks.run --sp 4 --ulysses 2 --systems autosp,autosp_hybrid ...      # hybrid attention
 
 Every configuration runs in fresh processes (one per rank), so compile time and peak memory are
 its own. Communication is what gloo/NCCL actually ran in one step (torch.profiler's collective
@@ -98,12 +100,16 @@ def _worker(rank: int, world: int, port: int, cfg: dict, q) -> None:
     from examples.models import Llama, LlamaConfig
 
     device = cfg["device"]
-    record = {k: cfg[k] for k in ("system", "seq", "sp")}
+    record = {k: cfg[k] for k in ("system", "seq", "sp")} | {"dp": cfg.get("dp", 1)}
     try:
         if cfg["rank_local"]:
             from torch.testing._internal.distributed.fake_pg import FakeStore
             dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cfg["sp"])
-        with autosp.mesh(sp=world if not cfg["rank_local"] else cfg["sp"], ulysses=cfg.get("ulysses") if world > 1 else None) as mesh:
+        dp = cfg.get("dp", 1) if world > 1 else 1
+        if dp > 1 and not cfg["system"].startswith("autosp"):
+            raise ValueError(f"{cfg['system']} runs sequence parallel only (no dp)")
+        sp = world // dp if not cfg["rank_local"] else cfg["sp"]
+        with autosp.mesh(sp=sp, dp=dp, ulysses=cfg.get("ulysses") if world > 1 else None) as mesh:
             torch.manual_seed(0)
             model = Llama(LlamaConfig(**PRESETS[cfg["preset"]])).to(device)
             g = torch.Generator().manual_seed(1)
@@ -149,7 +155,7 @@ def _free_port() -> int:
 
 
 def run_config(cfg: dict, timeout: float) -> dict:
-    world = 1 if cfg["system"] == "single" or cfg["rank_local"] else cfg["sp"]
+    world = 1 if cfg["system"] == "single" or cfg["rank_local"] else cfg["sp"] * cfg.get("dp", 1)
     # glibc keeps freed heap pages, so RSS would not fall after a step; with every allocation
     # over 64 KiB mmapped (and unmapped on free), RSS follows the live tensors
     os.environ.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
@@ -185,14 +191,15 @@ def run_config(cfg: dict, timeout: float) -> dict:
 
 
 def _table(records: list[dict]) -> str:
-    rows = ["| system | seq | sp | step time (s) | tokens/s | compile (s) | comm MiB/step/rank | peak mem MiB/rank | "
+    rows = ["| system | seq | sp (or dp x sp) | step time (s) | tokens/s | compile (s) | comm MiB/step/rank | peak mem MiB/rank | "
             "held MiB/rank | note |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
+        sp = f"{r['dp']} x {r['sp']}" if r.get("dp", 1) > 1 else r["sp"]  # dp x sp
         if r.get("error"):
-            rows.append(f"| {r['system']} | {r['seq']} | {r['sp']} | - | - | - | - | - | - | {r['error']} |")
+            rows.append(f"| {r['system']} | {r['seq']} | {sp} | - | - | - | - | - | - | {r['error']} |")
         else:
-            rows.append(f"| {r['system']} | {r['seq']} | {r['sp']} | {r['step_time_s']:.3f} | {r['tokens_per_s']:.0f} | "
+            rows.append(f"| {r['system']} | {r['seq']} | {sp} | {r['step_time_s']:.3f} | {r['tokens_per_s']:.0f} | "
                         f"{r['compile_time_s']:.1f} | {r['comm_bytes_per_step'] / 2**20:.2f} | {r['peak_mem_bytes'] / 2**20:.0f} | "
                         f"{r.get('held_bytes', 0) / 2**20:.0f} | |")
     return "\n".join(rows)
@@ -227,6 +234,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rank-local", action="store_true")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--dp", type=int, default=1,
+                    help="data-parallel replicas (autosp.mesh(dp=...)); --batch is the global batch, split over them")
     ap.add_argument("--ulysses", type=int, default=None,
                     help="lay sp out as sub-groups of this many ranks (autosp.mesh(ulysses=...)), for hybrid attention")
     args = ap.parse_args(argv)
@@ -241,7 +250,7 @@ def main(argv=None) -> None:
     for seq in seqs:
         for system in systems:
             cfg = dict(system=system, seq=seq, sp=args.sp, preset=preset, device=args.device, compiler=args.compiler,
-                       rank_local=args.rank_local, steps=args.steps, warmup=2, batch=args.batch, ulysses=args.ulysses,
+                       rank_local=args.rank_local, steps=args.steps, warmup=2, batch=args.batch, ulysses=args.ulysses, dp=args.dp,
                        threads=threads if system != "single" else (os.cpu_count() or 1))
             rec = run_config(cfg, timeout=900)
             rec.update(preset=preset, device=args.device, compiler=args.compiler)

@@ -682,6 +682,21 @@ def fsdp_ops(over: str) -> dict:
             out["error"] = None
         except ValueError as e:
             out["error"] = str(e)
+        # a parameter whose gradient comes from replicated data only (Replicate over sp, not Partial)
+        torch.manual_seed(0)
+        net = torch.nn.ModuleDict({"lin": torch.nn.Linear(8, 8), "extra": torch.nn.Linear(6, 5)})
+        ref = copy.deepcopy(net)
+        for sub in net.values():  # two top-level FSDP modules
+            fully_shard(sub, mesh=mesh)
+        x = torch.randn(2, 12, 8, generator=torch.Generator().manual_seed(3))
+
+        def loss_fn(net, x):
+            return net["lin"](x).pow(2).mean() + net["extra"].weight.pow(2).sum()
+
+        autosp.shard(lambda x: loss_fn(net, x), compiler="aot_eager")(x).backward()
+        loss_fn(ref, x).backward()  # dp replicas take halves of the batch: the mean of their losses
+        out["replicated_grad"] = max(_rel(p.grad.full_tensor(), q.grad) for p, q in zip(net.parameters(), ref.parameters())
+                                     if p.grad is not None)
         hidden = {"models": [fully_shard(MODELS["llama"](), mesh=m.device_mesh["dp"])]}  # two levels down
         try:
             autosp.shard(lambda input_ids, labels: hidden["models"][0](input_ids, labels),

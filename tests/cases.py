@@ -595,12 +595,13 @@ def hybrid_kernel(S: int, causal: bool, heads: tuple[int, int] = (4, 2), u: int 
 
 
 def fsdp_exactness(kind: str, b: int, L: int, dp: int, over: str, steps: int = 2, reshard: bool = True,
-                   dtype: torch.dtype = torch.float64) -> dict:
+                   dtype: torch.dtype = torch.float64, as_module: bool = False) -> dict:
     """FSDP2 (``fully_shard`` per block and on the model) under ``autosp.shard`` on a dp x sp mesh,
     parameters sharded ``over`` "dp", "sp", "hsdp" (the autosp mesh: sharded over sp, replicated
     over dp) or "world". Against one device on the same slices with DDP's averaging: each step's
     loss, the first step's gradients (gathered from their shards), the parameters after the AdamW
-    steps; and the gathers gloo ran in the last step (forward and, resharded, backward)."""
+    steps; and the gathers that ran in the last step (forward and, resharded, backward).
+    ``as_module``: ``autosp.shard(model)`` instead of a step function."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
@@ -617,7 +618,10 @@ def fsdp_exactness(kind: str, b: int, L: int, dp: int, over: str, steps: int = 2
         fully_shard(model, mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-        step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager")
+        if as_module:  # autosp.shard(model): FSDP2's own hooks on the root must not run first
+            step = autosp.shard(model, compiler="aot_eager")
+        else:
+            step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager")
         losses = []
         for i in range(steps):
             ids, labels = batch(kind, b, L, seed=i)
@@ -642,7 +646,7 @@ def fsdp_exactness(kind: str, b: int, L: int, dp: int, over: str, steps: int = 2
         state_numel = sum(t.to_local().numel() for s in opt.state.values() for t in s.values()
                           if isinstance(t, DTensor))
         param_err = max(_rel(p.full_tensor(), q) for p, q in zip(model.parameters(), ref.parameters()))
-        notes = list(step.plan.notes)
+        notes = list((model.forward if as_module else step).plan.notes)
     return {"notes": notes, "losses": losses, "grad_err": grad_err, "param_err": param_err, "full_numel": full_numel,
             "local_numel": local_numel, "state_numel": state_numel, "shard_ranks": mesh.size(mesh.ndim - 1),
             "params": len(list(model.parameters())), "block_params": len(list(model.blocks.parameters())),

@@ -10,13 +10,14 @@ import torch
 import cases
 
 
-@pytest.mark.parametrize("kind,b,L,dp,over,reshard", [
-    ("llama", 4, 64, 2, "dp", True),      # sharded over dp, sequence-parallel over sp
-    ("llama", 4, 64, 2, "hsdp", False),   # the autosp mesh: sharded over sp, replicated over dp
-    ("gpt", 4, 45, 1, "world", True),     # every rank; tied embeddings; 45 tokens over sp=4
+@pytest.mark.parametrize("kind,b,L,dp,over,reshard,as_module", [
+    ("llama", 4, 64, 2, "dp", True, False),     # sharded over dp, sequence-parallel over sp
+    ("llama", 4, 64, 2, "hsdp", False, True),   # the autosp mesh: sharded over sp, replicated over dp;
+                                                # autosp.shard(model)
+    ("gpt", 4, 45, 1, "world", True, False),    # every rank; tied embeddings; 45 tokens over sp=4
 ])
-def test_fsdp_step_matches_one_device(pools, kind, b, L, dp, over, reshard):
-    for r in pools(4).run(cases.fsdp_exactness, kind, b, L, dp, over, 2, reshard, torch.float64):
+def test_fsdp_step_matches_one_device(pools, kind, b, L, dp, over, reshard, as_module):
+    for r in pools(4).run(cases.fsdp_exactness, kind, b, L, dp, over, 2, reshard, torch.float64, as_module):
         for loss, ref in r["losses"]:
             assert abs(loss - ref) <= 1e-5 * abs(ref), (loss, ref)  # llama's loss is fp32 (logits upcast)
         worst = max(r["grad_err"].items(), key=lambda kv: kv[1])

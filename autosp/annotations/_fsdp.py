@@ -28,7 +28,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from ..partition._fsdp import fsdp_gather
 
-__all__ = ["FsdpParams", "find_fsdp"]
+__all__ = ["FsdpParams", "find_fsdp", "detach_forward_hooks"]
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
                "_forward_hooks_always_called")
@@ -114,15 +114,7 @@ class FsdpParams:
         """FSDP2's forward hooks (unshard, reshard, backward registration) off for the call."""
         saved = []
         for st in self.states:
-            ids = set()
-            for h in (st._pre_forward_hook_handle, st._post_forward_hook_handle):
-                stack = [h]
-                while stack:
-                    x = stack.pop()
-                    if hasattr(x, "handles"):
-                        stack.extend(x.handles)
-                    elif hasattr(x, "id"):
-                        ids.add(x.id)
+            ids = {h.id for h in _hook_handles(st)}
             for mod in st._modules:
                 for attr in _HOOK_DICTS:
                     d = getattr(mod, attr)
@@ -136,6 +128,28 @@ class FsdpParams:
             for d, copy in saved:
                 d.clear()
                 d.update(copy)
+
+
+def _hook_handles(state) -> list:
+    """The removable handles of an FSDP2 state's forward hooks (a grouped state nests them)."""
+    out, stack = [], [state._pre_forward_hook_handle, state._post_forward_hook_handle]
+    while stack:
+        h = stack.pop()
+        if hasattr(h, "handles"):
+            stack.extend(h.handles)
+        elif hasattr(h, "id"):
+            out.append(h)
+    return out
+
+
+def detach_forward_hooks(module: nn.Module) -> None:
+    """``autosp.shard(model)`` on an FSDP2 module: its own forward hooks would run (eagerly, an
+    all-gather of its parameters) before the sharded forward that replaces them; remove them."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(module, FSDPModule):
+        for h in _hook_handles(module._get_fsdp_state()):
+            h.remove()
 
 
 def _fsdp_error(name: str, what: str, fix: str) -> ValueError:

@@ -13,7 +13,7 @@ from ..backend._backend import Options, make_backend
 from ..errors import PlanError
 from ..partition._checkpoint import check_policy
 from ..propagate._solver import ATTENTION_KERNELS
-from ._fsdp import FsdpParams, find_fsdp
+from ._fsdp import FsdpParams, detach_forward_hooks, find_fsdp
 from ._mesh import Mesh, current_mesh
 from ._spec import annotate
 
@@ -251,6 +251,7 @@ def shard(fn: Callable | nn.Module | None = None, *, seq: SeqSpec = True, compil
                                  attention=attention)
     if isinstance(fn, nn.Module):
         fn.forward = _Sharded(fn.forward, seq, options)
+        detach_forward_hooks(fn)
         return fn
     return _Sharded(fn, seq, options)
 

@@ -701,6 +701,12 @@ def fsdp_ops(over: str) -> dict:
         loss_fn(ref, x).backward()  # dp replicas take halves of the batch: the mean of their losses
         out["replicated_grad"] = max(_rel(p.grad.full_tensor(), q.grad) for p, q in zip(net.parameters(), ref.parameters())
                                      if p.grad is not None)
+        net["lin"].set_requires_gradient_sync(False)
+        try:
+            autosp.shard(lambda x: loss_fn(net, x), compiler="aot_eager")(x)
+            out["no_sync"] = None
+        except ValueError as e:
+            out["no_sync"] = str(e)
         hidden = {"models": [fully_shard(MODELS["llama"](), mesh=m.device_mesh["dp"])]}  # two levels down
         try:
             autosp.shard(lambda input_ids, labels: hidden["models"][0](input_ids, labels),

@@ -40,6 +40,8 @@ def test_fsdp_gather_and_reduce_on_uneven_shards(pools, over):
         err = r.pop("error")
         assert "mixed-precision" in err and "mp_policy" in err, err
         assert r.pop("replicated_grad") <= 1e-6  # counted once, not once per sp rank
+        no_sync = r.pop("no_sync")  # never silently reduce what the user asked to keep local
+        assert "set_requires_gradient_sync(False)" in no_sync, no_sync
         hidden = r.pop("hidden")  # an FSDP module the step reaches only through a dict of lists
         assert "FSDP2 module" in hidden and "autosp.shard(model)" in hidden, hidden
         for (size, dim), (shape, gather_err, reduce_err, same_shape) in r.items():

@@ -109,6 +109,15 @@ class FsdpParams:
 
         return run(0)
 
+    def check_sync(self) -> None:
+        """Every step reduces its gradients: refuse FSDP2's accumulate-without-reducing mode
+        rather than silently reducing anyway."""
+        for st in self.states:
+            if any(not pg.reduce_grads for pg in st._fsdp_param_groups):
+                raise ValueError("autosp: an FSDP2 module has set_requires_gradient_sync(False); autosp reduces "
+                                 "every step's gradients into their shards (gradients accumulate there across "
+                                 "backward calls): call set_requires_gradient_sync(True)")
+
     @contextlib.contextmanager
     def hooks_suspended(self):
         """FSDP2's forward hooks (unshard, reshard, backward registration) off for the call."""

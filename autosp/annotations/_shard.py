@@ -160,6 +160,7 @@ class _Sharded:
         fsdp = self._fsdp(m)
         if fsdp is None:
             return _unwrap_errors(lambda: step(*args, **kwargs))
+        fsdp.check_sync()
         with fsdp.hooks_suspended():
             return _unwrap_errors(lambda: step(*args, **{**kwargs, _SHARDS: fsdp.shards()}))
 

@@ -317,8 +317,9 @@ def loss_exactness(case: str, b: int, L: int) -> dict:
 
 
 def low_precision(mode: str, b: int, L: int) -> dict:
-    """bf16 training, two ways users run it: bf16 parameters ("bf16"), or fp32 parameters under
-    CPU autocast to bf16 ("autocast"). Returns, for the sharded step and for the same step on one
+    """bf16 training, three ways users run it: bf16 parameters ("bf16"), fp32 parameters under
+    CPU autocast to bf16 ("autocast"), or FSDP2 with fp32 shards computing in bf16 and reducing
+    gradients in fp32 ("fsdp_bf16"; on one device: the bf16 model). Returns, for the sharded step and for the same step on one
     device, the loss and the worst relative gradient error, both against an fp64 run."""
     torch.manual_seed(0)
     base = MODELS["llama"]()
@@ -329,13 +330,24 @@ def low_precision(mode: str, b: int, L: int) -> dict:
     def run(model, fn):
         loss = fn(ids, labels)
         loss.backward()
-        err = max(_rel(p.grad.double(), q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+        grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in model.parameters()]
+        err = max(_rel(g.double(), q.grad) for g, q in zip(grads, ref.parameters()))
         return loss.item(), err
 
-    def make():
+    def make(sharded: bool = False):
         model = copy.deepcopy(base)
         if mode == "bf16":
             return model.to(torch.bfloat16), lambda i, l: model(i, l)
+        if mode == "fsdp_bf16":  # fp32 shards, bf16 compute, fp32 gradient reduction
+            if sharded:
+                from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+                mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                for block in model.blocks:
+                    fully_shard(block, mp_policy=mp)
+                fully_shard(model, mp_policy=mp)
+                return model, lambda i, l: model(i, l)
+            model = model.to(torch.bfloat16)  # one device: the same bf16 compute
+            return model, lambda i, l: model(i, l)
 
         def fn(i, l):
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -344,8 +356,8 @@ def low_precision(mode: str, b: int, L: int) -> dict:
 
     single_model, single_fn = make()
     single = run(single_model, single_fn)
-    model, fn = make()
     with autosp.mesh():
+        model, fn = make(sharded=True)
         step = autosp.shard(lambda input_ids, labels: fn(input_ids, labels), compiler="aot_eager")
         sharded = run(model, step)
     return {"sharded": sharded, "single": single, "fp64_loss": ref(ids, labels).item(),
@@ -672,15 +684,17 @@ def fsdp_ops(over: str) -> dict:
             shape = [size, 5] if dim == 0 else [4, size]
             full = torch.randn(shape, generator=torch.Generator().manual_seed(size), dtype=torch.float64)
             shard = distribute_tensor(full, mesh, [Shard(dim)]).to_local()
-            got = fsdp_gather(shard, dim, size, n, outer, 2, True, group.group_name)
+            got = fsdp_gather(shard, dim, size, n, outer, 2, True, full.dtype, full.dtype, group.group_name)
             contrib = [torch.randn(shape, generator=torch.Generator().manual_seed(100 + k), dtype=torch.float64)
                        for k in range(world)]
-            reduced = fsdp_reduce(contrib[r], dim, shard.shape[dim], n, outer, 2, group.group_name)
+            reduced = fsdp_reduce(contrib[r], dim, shard.shape[dim], n, outer, 2, full.dtype, full.dtype,
+                                  group.group_name)
             want = distribute_tensor(sum(contrib) / 2, mesh, [Shard(dim)]).to_local()
             out[(size, dim)] = (tuple(shard.shape), (got - full).abs().max().item(), (reduced - want).abs().max().item()
                                 if want.numel() else 0.0, tuple(reduced.shape) == tuple(want.shape))
         model = MODELS["llama"]()
-        fully_shard(model, mesh=m.device_mesh["dp"], mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        fully_shard(model, mesh=m.device_mesh["dp"], mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                                     output_dtype=torch.float32))
         try:
             autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager")(*batch("llama", 2, 16, 0))
             out["error"] = None

@@ -38,7 +38,7 @@ def test_fsdp_step_matches_one_device(pools, kind, b, L, dp, over, reshard, as_m
 def test_fsdp_gather_and_reduce_on_uneven_shards(pools, over):
     for r in pools(4).run(cases.fsdp_ops, over):
         err = r.pop("error")
-        assert "mixed-precision" in err and "mp_policy" in err, err
+        assert "output_dtype" in err, err
         assert r.pop("replicated_grad") <= 1e-6  # counted once, not once per sp rank
         no_sync = r.pop("no_sync")  # never silently reduce what the user asked to keep local
         assert "set_requires_gradient_sync(False)" in no_sync, no_sync

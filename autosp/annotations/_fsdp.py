@@ -195,10 +195,10 @@ def find_fsdp(fn, mesh) -> FsdpParams | None:
                 if id(p) in seen:
                     continue
                 seen.add(id(p))
-                if mp.param_dtype is not None or mp.reduce_dtype is not None:
-                    raise _fsdp_error(name, f"has a mixed-precision policy ({mp})",
-                                      "autosp runs FSDP2 parameters in their own dtype: drop mp_policy and cast the "
-                                      "model (model.to(torch.bfloat16)) instead")
+                if mp.output_dtype is not None:
+                    raise _fsdp_error(name, f"has a mixed-precision policy with output_dtype ({mp})",
+                                      "autosp runs FSDP2's param_dtype and reduce_dtype but casts no module "
+                                      "outputs: drop output_dtype and cast where the model needs it")
                 if type(getattr(pg, "offload_policy", None)).__name__ == "CPUOffloadPolicy":
                     raise _fsdp_error(name, "is offloaded to the CPU (CPUOffloadPolicy)",
                                       "autosp keeps shards where they are: drop offload_policy")
@@ -224,7 +224,9 @@ def find_fsdp(fn, mesh) -> FsdpParams | None:
                                       "m.device_mesh (HSDP: sharded over sp, replicated over dp) or a mesh of "
                                       "every rank")
                 d = p.placements[i].dim
-                params.append(_Param(p, (d, p.shape[d], len(ranks), outer, mesh.dp_size, reshard, group.group_name)))
+                dtype = mp.param_dtype or p.dtype
+                params.append(_Param(p, (d, p.shape[d], len(ranks), outer, mesh.dp_size, reshard, dtype,
+                                         mp.reduce_dtype or dtype, group.group_name)))
     names = []
     for top in tops:
         by_id: dict[int, list[str]] = {}

@@ -30,29 +30,31 @@ def _waited(t: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("autosp::fsdp_gather", mutates_args=())
 def fsdp_gather(shard: torch.Tensor, dim: int, size: int, world: int, outer: str, divide: int, reshard: bool,
-                group: str) -> torch.Tensor:
-    """The full parameter (``size`` along ``dim``) from every rank's shard. ``outer``, ``divide``
-    and ``reshard`` are for the gradient and the checkpointing pass."""
+                dtype: torch.dtype, reduce_dtype: torch.dtype, group: str) -> torch.Tensor:
+    """The full parameter (``size`` along ``dim``) from every rank's shard, in ``dtype`` (FSDP2's
+    ``param_dtype``: the shard is cast before the gather, as FSDP2 does). ``outer``, ``divide``,
+    ``reduce_dtype`` and ``reshard`` are for the gradient and the checkpointing pass."""
     c = -(-size // world)
-    x = _pad_to(shard.movedim(dim, 0), 0, c).contiguous()
+    x = _pad_to(shard.to(dtype).movedim(dim, 0), 0, c).contiguous()
     full = _waited(funcol.all_gather_single(x, 0, group)).narrow(0, 0, size)
     return full.movedim(0, dim).contiguous()
 
 
 @fsdp_gather.register_fake
-def _(shard, dim, size, world, outer, divide, reshard, group):
+def _(shard, dim, size, world, outer, divide, reshard, dtype, reduce_dtype, group):
     shape = list(shard.shape)
     shape[dim] = size
-    return shard.new_empty(shape)
+    return shard.new_empty(shape, dtype=dtype)
 
 
 @torch.library.custom_op("autosp::fsdp_reduce", mutates_args=())
 def fsdp_reduce(grad: torch.Tensor, dim: int, local: int, world: int, outer: str, divide: int,
-                group: str) -> torch.Tensor:
+                reduce_dtype: torch.dtype, out_dtype: torch.dtype, group: str) -> torch.Tensor:
     """This rank's shard (``local`` rows along ``dim``) of the sum over every rank of ``grad``
-    (each rank's contribution), divided by ``divide`` (the dp replicas: DDP's mean): summed over
-    the FSDP group by a reduce-scatter, then over ``outer`` (the ranks that hold the same shard)."""
-    g = grad.movedim(dim, 0)
+    (each rank's contribution), divided by ``divide`` (the dp replicas: DDP's mean): summed in
+    ``reduce_dtype`` over the FSDP group by a reduce-scatter, then over ``outer`` (the ranks that
+    hold the same shard), and returned in the shard's dtype ``out_dtype``."""
+    g = grad.to(reduce_dtype).movedim(dim, 0)
     c = -(-g.shape[0] // world)
     g = _pad_to(g, 0, c * world).contiguous()
     out = _waited(funcol.reduce_scatter_single(g, "sum", 0, group)).narrow(0, 0, local)
@@ -60,23 +62,23 @@ def fsdp_reduce(grad: torch.Tensor, dim: int, local: int, world: int, outer: str
         out = _waited(funcol.all_reduce(out.contiguous(), "sum", outer))
     if divide > 1:
         out = out / divide
-    return out.movedim(0, dim).contiguous()
+    return out.to(out_dtype).movedim(0, dim).contiguous()
 
 
 @fsdp_reduce.register_fake
-def _(grad, dim, local, world, outer, divide, group):
+def _(grad, dim, local, world, outer, divide, reduce_dtype, out_dtype, group):
     shape = list(grad.shape)
     shape[dim] = local
-    return grad.new_empty(shape)
+    return grad.new_empty(shape, dtype=out_dtype)
 
 
 def _setup(ctx, inputs, output):
-    shard, dim, size, world, outer, divide, reshard, group = inputs
-    ctx.args = (dim, shard.shape[dim], world, outer, divide, group)
+    shard, dim, size, world, outer, divide, reshard, dtype, reduce_dtype, group = inputs
+    ctx.args = (dim, shard.shape[dim], world, outer, divide, reduce_dtype, shard.dtype, group)
 
 
 def _backward(ctx, grad):
-    return (fsdp_reduce(grad.contiguous(), *ctx.args),) + (None,) * 7
+    return (fsdp_reduce(grad.contiguous(), *ctx.args),) + (None,) * 9
 
 
 fsdp_gather.register_autograd(_backward, setup_context=_setup)

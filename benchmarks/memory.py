@@ -64,7 +64,8 @@ def measure_here(system: str, seq: int, sp: int, budget: int, compiler: str, ste
         else:
             setting = system.removeprefix("autosp_")
             step = autosp.shard(lambda i, l: model(i, l), compiler=compiler,
-                                checkpoint=budget if setting == "budget" else setting)
+                                checkpoint=budget if setting == "budget" else setting,
+                                attention=os.environ.get("AUTOSP_BENCH_ATTENTION", "auto"))
 
             def run():
                 step(ids, ids).backward()

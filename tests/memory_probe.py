@@ -6,7 +6,8 @@ measurement is benchmarks.memory's). Prints one JSON line per case.
         [--compiler inductor] 4096:2:none 8192:4:full 4096:2:125829120
 
 Each case is seq:sp:checkpoint (a checkpoint setting, or a budget in bytes); the model is the
-"small" benchmark preset, one thread.
+"small" benchmark preset, one thread. ``AUTOSP_BENCH_ATTENTION=ring`` (or another kernel) forces
+the attention kernel of the autosp cases.
 """
 import argparse
 import json

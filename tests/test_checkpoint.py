@@ -158,3 +158,24 @@ def test_budget_decision_takes_the_largest_peak_over_the_ranks(pools):
     one block fewer): a budget is held against the largest, so every rank takes the same rung or
     raises the same error instead of one rank raising while the others wait in a collective."""
     assert pools(2).run(cases.largest_peaks) == [[101, 50, 20]] * 2
+
+
+def test_ring_attention_workspace_is_in_the_predicted_peak():
+    """Ring attention runs as one opaque op: the liveness walk alone sees its inputs and outputs,
+    and predicted 0.91 of the measured peak with the ring forced. Its measured workspace
+    (``RING_WORKSPACE``, in units of the local query) is added while it runs."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autosp.partition._attention import ring_attention_op
+    from autosp.partition._memory import RING_WORKSPACE, graph_peak
+
+    def attention(q, k, v):
+        return ring_attention_op(q, k, v, None, 64, 0, 2, "g", True, None, 1, "")
+
+    q, k, v = (torch.empty(1, 4, 32, 8) for _ in range(3))
+    gm = make_fx(attention, tracing_mode="fake")(q, k, v)
+    inputs = {nd.name for nd in gm.graph.find_nodes(op="placeholder")}
+    peak, _ = graph_peak(gm, inputs)
+    qb = q.numel() * 4
+    out_and_lse = qb + 4 * 32 * 4
+    assert peak == 3 * qb + out_and_lse + RING_WORKSPACE["autosp::ring_attention"] * qb

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from autosp.partition._attention import ring_attention_backward_op, ring_attention_op
+
 dist.init_process_group("gloo")
 torch.set_num_threads(1)
 r, n = dist.get_rank(), dist.get_world_size()
@@ -22,7 +23,6 @@ def rss(field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     return 0
-
 
 
 H, D, B = 8, 32, 1

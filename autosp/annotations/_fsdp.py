@@ -90,7 +90,7 @@ class FsdpParams:
 
     tops: tuple[nn.Module, ...]
     params: tuple[_Param, ...]
-    names: tuple[tuple[tuple[str, ...], ...], ...]  # per top module, per param: its names there ("" if none)
+    names: tuple[tuple[tuple[str, ...], ...], ...]  # per top module, per param: its names there (none: ())
     states: tuple
 
     def shards(self) -> list[torch.Tensor]:

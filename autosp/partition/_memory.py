@@ -78,8 +78,8 @@ def _aliased_input(nd: fx.Node) -> fx.Node | None:
 # query's bytes: K/V chunks in flight, the zigzag copies, per-block results and merges in the
 # accumulation dtype, and the CPU attention kernel's own buffers. Measured on 2 and 4 gloo ranks
 # (tests/ring_workspace_probe.py: 8 heads of 32, 4096 rows per rank; RSS high-water mark during
-# one call, its outputs taken off): forward 6.0-8.1, backward 11.0-17.0 (causal and not); the
-# upper ends are taken.
+# one call, its outputs taken off): forward 6.0-8.1, backward 11.0-17.0 (causal and not); 8 and
+# 17 are taken, at or near the upper ends.
 RING_WORKSPACE = {"autosp::ring_attention": 8.0, "autosp::ring_attention_backward": 17.0}
 
 

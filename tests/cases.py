@@ -729,3 +729,15 @@ def fsdp_ops(over: str) -> dict:
         except autosp.GraphBreakError as e:
             out["hidden"] = str(e)
     return out
+
+
+def tiled(fn, *args, min_rows: int = 8, **kwargs):
+    """``fn(*args, **kwargs)`` with sequence tiling from ``min_rows`` rows a tile (the default,
+    ``MIN_TILE_ROWS``, keeps the short test sequences untiled)."""
+    from autosp.partition import _tiling
+    keep = _tiling.MIN_TILE_ROWS
+    _tiling.MIN_TILE_ROWS = min_rows
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _tiling.MIN_TILE_ROWS = keep

@@ -42,6 +42,23 @@ def test_no_collective_is_recomputed(pools):
     assert Counter(none) == Counter(full)
 
 
+@pytest.mark.parametrize("kind,b,L", [("llama", 2, 96), ("gpt", 1, 45)])
+def test_sequence_tiling_matches_single_device(pools, kind, b, L):
+    """Tiled along the sequence (forced here from 8 rows a tile: 4 tiles of 12 rows; GPT's 45
+    tokens over 2 ranks: tiles of 6 and 5 rows, uneven), the step is still one device's, in
+    fp64 to 1e-10, and (Llama) runs the same collectives as without tiling (gloo's own events)."""
+    for r in pools(2).run(cases.tiled, cases.exactness, kind, b, L, 2, "aot_eager", torch.float64, "cpu", "full"):
+        loss, loss_ref = r["loss"]
+        assert abs(loss - loss_ref) <= 1e-10 * abs(loss_ref)
+        assert max(r["grad_err"].values()) <= 1e-10
+        assert r["param_err"] <= 1e-10
+        assert r["checkpoint"].startswith("full, ") and r["checkpoint"].endswith(" tiles"), r["checkpoint"]
+    if kind == "llama":  # cases.comm also runs hand-written Ulysses, written for Llama
+        none = pools(2).run(cases.comm, kind, b, L, "none")[0]["autosp"]
+        tiled = pools(2).run(cases.tiled, cases.comm, kind, b, L, "full")[0]["autosp"]
+        assert Counter(none) == Counter(tiled)
+
+
 def _rungs(fake_world, checkpoint, seq=8192, sp=2, every_rung=False):
     from autosp.annotations._shard import _Sharded
     from autosp.backend._backend import Options

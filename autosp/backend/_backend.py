@@ -15,7 +15,6 @@ import torch
 import torch.fx as fx
 from torch._decomp import get_decompositions
 from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.aot_autograd import make_boxed_func
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -24,6 +23,7 @@ from ..errors import PlanError
 from ..partition._checkpoint import checkpoint_partition
 from ..partition._fsdp import FSDP_OPS, gathers_at_first_use
 from ..partition._localize import localize
+from ..partition._tiling import MAX_TILES
 from ..propagate._solver import propagate, solve
 
 __all__ = ["Options", "make_backend"]
@@ -77,7 +77,10 @@ def _debug(name: str, gm: fx.GraphModule, t0: float) -> None:
 
 def _compiler(name: str) -> Callable:
     if name == "aot_eager":
-        return lambda gm, example_inputs: make_boxed_func(gm.forward)
+        # torch's own aot_eager: boxed code that frees each input after its last use (saved
+        # activations die as the backward goes, as under Inductor)
+        from torch._dynamo.backends.debugging import boxed_nop
+        return boxed_nop
     if name == "inductor":
         from torch._inductor.compile_fx import compile_fx_inner
         from torch._inductor.decomposition import select_decomp_table
@@ -183,16 +186,20 @@ def make_backend(mesh, options: Options, on_plan: Callable[[Plan], None] | None 
         _debug("solve", joint, t0)
         t0 = time.perf_counter()
         dp = mesh.dp_size
-        local = localize(joint, choice, joint_inputs, n, rank, group, num_fwd_outputs, dp,
-                         mesh.dp_group.group_name if dp > 1 else None,
-                         torch.distributed.group.WORLD.group_name if dp > 1 else None,
-                         (mesh.ulysses_size, *mesh.hybrid_groups) if mesh.hybrid_groups else None)
-        local = gathers_at_first_use(local)
+
+        def per_rank(tiles: int = 1):
+            local = localize(joint, choice, joint_inputs, n, rank, group, num_fwd_outputs, dp,
+                             mesh.dp_group.group_name if dp > 1 else None,
+                             torch.distributed.group.WORLD.group_name if dp > 1 else None,
+                             (mesh.ulysses_size, *mesh.hybrid_groups) if mesh.hybrid_groups else None, tiles=tiles)
+            return gathers_at_first_use(local) if local is not None else None
+
+        local = per_rank()
         _debug("localize", local, t0)
         t0 = time.perf_counter()
         fw, bw, ckpt = checkpoint_partition(local, joint_inputs, options.checkpoint, num_fwd_outputs=num_fwd_outputs,
-                                            every_rung=options.every_rung, free_saved=options.compiler == "inductor",
-                                            largest=_largest_peaks(mesh), **kwargs)
+                                            every_rung=options.every_rung, free_saved=True,
+                                            largest=_largest_peaks(mesh), tiled=lambda: per_rank(MAX_TILES), **kwargs)
         _debug("checkpoint (backward graph)", bw, t0)
         _check_same_schedule(fw, bw, mesh)
         if on_plan is not None:

@@ -28,6 +28,7 @@ import math
 import operator
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -269,14 +270,18 @@ def _settled(policy, rung: Rung) -> bool:
 
 
 def checkpoint_partition(gm: fx.GraphModule, joint_inputs, policy, *, num_fwd_outputs: int,
-                         every_rung: bool = False, free_saved: bool = False, largest=None, **kwargs):
+                         every_rung: bool = False, free_saved: bool = False, largest=None,
+                         tiled: Callable[[], fx.GraphModule | None] | None = None, **kwargs):
     """Partition the per-rank joint graph under ``policy``: (forward, backward, Checkpoint). The
     ladder is walked from the rung that recomputes least and stops once the policy is settled,
     unless ``every_rung`` (planning tools compare them all). A budget evaluates every rung and
     holds each against ``largest(peaks)``, the peaks of the rank that needs most: ranks with
     uneven shards (or K/V-gathered attention, whose first rank runs one block fewer) predict
     different peaks, and every rank must take the same decision, or raise the same error.
-    ``free_saved``: the compiled backward frees saved activations after their last use."""
+    ``free_saved``: the compiled backward frees saved activations after their last use.
+    ``tiled``: makes the same graph with sequence tiling (``_tiling``; None if nothing tiles);
+    its "full" rung ends the ladder, evaluated when the policy may want less memory than the
+    untiled "full" gives."""
     check_policy(policy)
     every_rung = every_rung or isinstance(policy, int)
 
@@ -285,22 +290,27 @@ def checkpoint_partition(gm: fx.GraphModule, joint_inputs, policy, *, num_fwd_ou
                                                                  **kwargs)
         return fw, bw, estimate_memory(fw, bw, num_fwd_outputs, free_saved)
 
+    def ladder_of(g: fx.GraphModule):
+        cost = {nd.name: _cost(nd) for nd in g.graph.nodes if nd.op == "call_function"}
+        ladder, regions = _ladder(g, cost)
+        # FSDP2's parameter gathers: re-gathered in the backward (or kept) under every policy
+        params = fsdp_tags(g)
+        regions = {**regions, **{k: region for k, (_, region) in params.items()}}
+        ladder = [(name, {**tags, **{k: tag for k, (tag, _) in params.items()}}) for name, tags in ladder]
+
+        def cost_of(nd: fx.Node) -> float:  # a backward node named as the forward op it recomputes
+            return cost[nd.name] if nd.name in cost else _cost(nd)
+        return ladder, regions, cost, cost_of
+
+    ladder, regions, cost, cost_of = ladder_of(gm)
     ops = [nd for nd in gm.graph.nodes if nd.op == "call_function"]
-    cost = {nd.name: _cost(nd) for nd in ops}
     step_cost = sum(cost.values())
     attention_cost = sum(cost[nd.name] for nd in ops if _kind(nd) == "attention")
-    ladder, regions = _ladder(gm, cost)
-    # FSDP2's parameter gathers: re-gathered in the backward (or kept) under every policy
-    params = fsdp_tags(gm)
-    regions = {**regions, **{k: region for k, (_, region) in params.items()}}
-    ladder = [(name, {**tags, **{k: tag for k, (tag, _) in params.items()}}) for name, tags in ladder]
     if policy in ("none", "full") and not every_rung:
         ladder = ladder[:1] if policy == "none" else ladder[-1:]
 
-    def cost_of(nd: fx.Node) -> float:  # a backward node named as the forward op it recomputes
-        return cost[nd.name] if nd.name in cost else _cost(nd)
-
     results, seen = [], []
+    settled = False
     for name, tags in ladder:
         if tags in seen:  # a rung that tags nothing more than the one before it
             continue
@@ -308,8 +318,21 @@ def checkpoint_partition(gm: fx.GraphModule, joint_inputs, policy, *, num_fwd_ou
         fw, bw, mem = partition(_tagged_copy(gm, tags, regions))
         rung = Rung(name, mem, _recompute_cost(fw, bw, cost_of), step_cost, attention_cost)
         results.append((rung, fw, bw))
-        if not every_rung and _settled(policy, rung):
+        settled = _settled(policy, rung)
+        if not every_rung and settled:
             break
+    # the tiled "full" rung: where the walk reached "full" (a budget: always, alike on every rank)
+    if tiled is not None and policy != "none" and ladder[-1][0] == "full" and (isinstance(policy, int) or not settled):
+        g = tiled()
+        t_ladder, t_regions, t_cost, t_cost_of = ladder_of(g) if g is not None else ([("none", {})], {}, {}, None)
+        if t_ladder[-1][0] == "full":
+            _, tags = t_ladder[-1]
+            fw, bw, mem = partition(_tagged_copy(g, tags, t_regions))
+            # the tiles' joins and partial sums count as recompute
+            extra = max(sum(t_cost.values()) - step_cost, 0.0)
+            rung = Rung(f"full, {g.meta['autosp_tiles']} tiles", mem,
+                        _recompute_cost(fw, bw, t_cost_of) + extra, step_cost, attention_cost)
+            results.append((rung, fw, bw))
     rungs = [r[0] for r in results]
     peaks = [r.memory.peak for r in rungs]
     rung = select(policy, rungs, largest(peaks) if largest is not None and isinstance(policy, int) else peaks)

@@ -13,7 +13,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.utils._pytree import tree_map
 
 from ..errors import PlanError
-from ..propagate._placement import P, R, chunks, is_shard, local_shape
+from ..propagate._placement import P, R, chunks, is_shard, local_shape, shard_spec
 from ..propagate._rules import out_vals, tensor_inputs
 from ..propagate._solver import Choice
 from ._attention import (kv_gathered_attention, kv_gathered_attention_backward, ring_attention_backward_op,
@@ -21,14 +21,12 @@ from ._attention import (kv_gathered_attention, kv_gathered_attention_backward, 
 from ._collectives import redistribute
 from ._fsdp import REDUCE as _FSDP_REDUCE
 from ._random import sharded_dropout
+from ._tiling import SHAPE_ARG as _SHAPE_ARG, plan_tiles
 
 __all__ = ["localize"]
 
 aten = torch.ops.aten
 
-# ops whose argument 1 is the output's shape: the local graph needs the local shape there
-_SHAPE_ARG = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
-              aten.slice_backward.default, aten.select_backward.default}
 
 
 _FWD = aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -76,84 +74,143 @@ def _bucketed_all_reduce(tensors: list[torch.Tensor], group) -> list[torch.Tenso
 
 
 def localize(joint: fx.GraphModule, choice: Choice, joint_inputs, n: int, rank: int, group,
-             num_fwd_outputs: int = 0, dp: int = 1, dp_group=None, world_group=None, hybrid=None) -> fx.GraphModule:
+             num_fwd_outputs: int = 0, dp: int = 1, dp_group=None, world_group=None, hybrid=None,
+             tiles: int = 1) -> fx.GraphModule | None:
     """The per-rank joint graph. With ``dp > 1`` (each dp replica ran its own slice of the batch)
     the gradients are also averaged over the dp replicas, as DDP does: a gradient that is partial
     over sp is summed over sp and dp in one all-reduce on ``world_group``, then divided by dp.
-    ``hybrid``: (sub-group size, group within, group across) of a 2D sp mesh."""
+    ``hybrid``: (sub-group size, group within, group across) of a 2D sp mesh. ``tiles > 1``: the
+    ops that allow it run in up to that many tiles along the local sequence (``_tiling``); None
+    when there is nothing to tile."""
     graph = joint.graph
     placeholders = [nd for nd in graph.nodes if nd.op == "placeholder"]
     plan = choice.strategy
+    tiling = plan_tiles(graph, plan, n, rank, tiles) if tiles > 1 else None
+    if tiles > 1 and tiling is None:
+        return None
+    tiled = tiling.nodes if tiling is not None else {}
+
+    env: dict[fx.Node, object] = {}
+    parts: dict[fx.Node, list] = {}  # a tiled op's result per tile
 
     def run(primals, tangents):
-        env: dict[fx.Node, object] = dict(zip(placeholders, list(primals) + list(tangents)))
+        env.clear()
+        parts.clear()
+        env.update(zip(placeholders, list(primals) + list(tangents)))
+        group: list[fx.Node] = []  # tiled ops waiting to run, tile by tile
         for nd in graph.nodes:
+            if nd in tiled:
+                group.append(nd)
+                continue
+            if group and (nd.op == "output" or any(u in tiled and u not in parts for u in nd.all_input_nodes)):
+                run_tiles(group)
+                group = []
             with fx.traceback.set_current_meta(nd):
-                result = step(nd, env)
+                result = step(nd)
             if nd.op == "output":
                 return result
 
-    def step(nd: fx.Node, env: dict[fx.Node, object]):
-        def value(u: fx.Node, i: int):
-            v = env[u]
-            return v[i] if u.target is not operator.getitem and isinstance(v, (tuple, list)) else v
+    def value(u: fx.Node, i: int):
+        if u not in env:  # a tiled op read untiled: its tiles joined along the sequence
+            with fx.traceback.set_current_meta(u):
+                v = parts[u]
+                env[u] = type(v[0])(torch.cat(list(t), tiled[u]) for t in zip(*v)) if isinstance(
+                    v[0], (tuple, list)) else torch.cat(v, tiled[u])
+        v = env[u]
+        return v[i] if u.target is not operator.getitem and isinstance(v, (tuple, list)) else v
 
+    def run_tiles(group: list[fx.Node]) -> None:
+        """The waiting tiled ops, one tile through all of them, then the next; the partial sums
+        read untiled (weight gradients, the loss) are added up as the tiles go."""
+        sliced: dict[tuple[fx.Node, int, int], torch.Tensor] = {}
+        summed = {nd for nd in group if tiled[nd] is None and any(u not in tiled for u in nd.users)}
+        for j, (start, rows) in enumerate(zip(tiling.starts, tiling.sizes)):
+            def tile(u: fx.Node, i: int, q) -> torch.Tensor:
+                if u in tiled:
+                    v = parts[u][j]
+                    return v[i] if u.target is not operator.getitem and isinstance(v, (tuple, list)) else v
+                spec = shard_spec(q)
+                if spec is None:
+                    return value(u, i)
+                if (u, i, j) not in sliced:
+                    sliced[u, i, j] = value(u, i).narrow(spec[0], start, rows)
+                return sliced[u, i, j]
+
+            for nd in group:
+                with fx.traceback.set_current_meta(nd):
+                    s = plan[nd]
+                    local = [tile(u, i, q) for (u, i), q in zip(tensor_inputs(nd), s.ins)]
+                    shape = None
+                    if nd.target in _SHAPE_ARG:
+                        shape = local_shape(out_vals(nd)[0].shape, s.outs[0], n, rank)
+                        if tiled[nd] is not None:
+                            shape[tiled[nd]] = rows
+                    out = call(nd, s, local, shape)
+                    parts.setdefault(nd, []).append(out)
+                    if nd in summed:
+                        env[nd] = out if j == 0 else env[nd] + out
+
+    def call(nd: fx.Node, s, local: list, shape):
+        """The op on per-rank (or per-tile) inputs; ``shape``: the output's local shape, for the
+        ops that take it as an argument."""
+        if nd.target is operator.getitem or nd.target is torch.ops.autosp.annotate.default:
+            return local[0]
+        it = iter(local)
+
+        def sub(a):
+            if isinstance(a, fx.Node):
+                return next(it) if isinstance(a.meta.get("val"), torch.Tensor) else env[a]
+            return a
+
+        args = tree_map(sub, nd.args)
+        kwargs = tree_map(sub, nd.kwargs)
+        if shape is not None:
+            args = (args[0], shape) + tuple(args[2:])
+        target = nd.target
+        if target is aten.native_dropout.default and any(is_shard(q) for q in s.ins):
+            args = (args[0], args[1], args[2] if len(args) > 2 else kwargs.pop("train", None), rank)
+            target = lambda x, p, train, rank: sharded_dropout(x, p, train, rank)  # noqa: E731
+        if target is _FSDP_REDUCE and s.ins[0] == R and n > 1 and rank != 0:
+            # a replicated gradient is counted once in the op's sum over the sp ranks
+            args = (torch.zeros_like(args[0]),) + tuple(args[1:])
+        if s.kernel in ("ring", "kv_gather", "hybrid"):
+            args, kwargs, target = _seq_attention(nd, s.kernel, target, args, kwargs, n, rank, group, hybrid)
+        if target in (aten.view.default, aten._unsafe_view.default):
+            # the global graph's strides allowed a view; a collective's output may not
+            target = aten.reshape.default
+        try:
+            return target(*args, **kwargs)
+        except Exception as e:
+            shapes = [tuple(t.shape) for t in local]
+            raise PlanError(nd, f"the per-rank op failed ({type(e).__name__}: {e}) with local input shapes "
+                            f"{shapes}, input placements {[str(q) for q in s.ins]}, output {[str(o) for o in s.outs]}",
+                            "this is an autosp bug in the op's sharding rule; please report it with this message") from e
+
+    def step(nd: fx.Node):
         if nd.op == "get_attr":
             env[nd] = getattr(joint, nd.target)
         elif nd.op == "call_function":
             s = plan[nd]
-            ins = tensor_inputs(nd)
             local = [redistribute(value(u, i), plan[u].outs[i], q, n, rank, group, out_vals(u)[i].shape)
-                     for (u, i), q in zip(ins, s.ins)]
-            if nd.target is operator.getitem or nd.target is torch.ops.autosp.annotate.default:
-                env[nd] = local[0]
-                return None
-            it = iter(local)
-
-            def sub(a):
-                if isinstance(a, fx.Node):
-                    return next(it) if isinstance(a.meta.get("val"), torch.Tensor) else env[a]
-                return a
-
-            args = tree_map(sub, nd.args)
-            kwargs = tree_map(sub, nd.kwargs)
-            if nd.target in _SHAPE_ARG:
-                args = (args[0], local_shape(out_vals(nd)[0].shape, s.outs[0], n, rank)) + tuple(args[2:])
-            target = nd.target
-            if target is aten.native_dropout.default and any(is_shard(q) for q in s.ins):
-                args = (args[0], args[1], args[2] if len(args) > 2 else kwargs.pop("train", None), rank)
-                target = lambda x, p, train, rank: sharded_dropout(x, p, train, rank)  # noqa: E731
-            if target is _FSDP_REDUCE and s.ins[0] == R and n > 1 and rank != 0:
-                # a replicated gradient is counted once in the op's sum over the sp ranks
-                args = (torch.zeros_like(args[0]),) + tuple(args[1:])
-            if s.kernel in ("ring", "kv_gather", "hybrid"):
-                args, kwargs, target = _seq_attention(nd, s.kernel, target, args, kwargs, n, rank, group, hybrid)
-            if target in (aten.view.default, aten._unsafe_view.default):
-                # the global graph's strides allowed a view; a collective's output may not
-                target = aten.reshape.default
-            try:
-                env[nd] = target(*args, **kwargs)
-            except Exception as e:
-                shapes = [tuple(t.shape) for t in local]
-                raise PlanError(nd, f"the per-rank op failed ({type(e).__name__}: {e}) with local input shapes "
-                                f"{shapes}, input placements {[str(q) for q in s.ins]}, output {[str(o) for o in s.outs]}",
-                                "this is an autosp bug in the op's sharding rule; please report it with this message") from e
+                     for (u, i), q in zip(tensor_inputs(nd), s.ins)]
+            shape = local_shape(out_vals(nd)[0].shape, s.outs[0], n, rank) if nd.target in _SHAPE_ARG else None
+            env[nd] = call(nd, s, local, shape)
         elif nd.op == "output":
             grads = list(nd.args[0])[num_fwd_outputs:]  # forward outputs stay apart
             partial = [a for a in grads if isinstance(a, fx.Node) and plan[a].outs[0] == P]
             if dp == 1:
-                done = dict(zip(partial, _bucketed_all_reduce([env[a] for a in partial], group)))
+                done = dict(zip(partial, _bucketed_all_reduce([value(a, 0) for a in partial], group)))
             else:
                 rest = [a for a in grads if isinstance(a, fx.Node) and a not in partial and a.target is not _FSDP_REDUCE
                         and isinstance(out_vals(a)[0], torch.Tensor) and out_vals(a)[0].is_floating_point()]
-                summed = _bucketed_all_reduce([env[a] for a in partial], world_group) + _bucketed_all_reduce(
-                    [redistribute(env[a], plan[a].outs[0], R, n, rank, group, out_vals(a)[0].shape) for a in rest],
+                summed = _bucketed_all_reduce([value(a, 0) for a in partial], world_group) + _bucketed_all_reduce(
+                    [redistribute(value(a, 0), plan[a].outs[0], R, n, rank, group, out_vals(a)[0].shape) for a in rest],
                     dp_group)
                 done = {a: t / dp for a, t in zip(partial + rest, summed)}
 
             def out(a):
                 if isinstance(a, fx.Node):
-                    return done[a] if a in done else redistribute(env[a], plan[a].outs[0], R, n, rank, group,
+                    return done[a] if a in done else redistribute(value(a, 0), plan[a].outs[0], R, n, rank, group,
                                                                   out_vals(a)[0].shape)
                 return a
             return tree_map(out, nd.args[0])
@@ -162,4 +219,6 @@ def localize(joint: fx.GraphModule, choice: Choice, joint_inputs, n: int, rank: 
     # the per-rank nodes keep their global node's meta (module stack, forward/backward tag):
     # the checkpointing pass reads it
     with fx.traceback.preserve_node_meta():
-        return make_fx(run)(primals, tangents)
+        local = make_fx(run)(primals, tangents)
+    local.meta["autosp_tiles"] = len(tiling.sizes) if tiling is not None else 1
+    return local

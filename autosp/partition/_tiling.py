@@ -1,0 +1,149 @@
+"""Sequence tiling: which ops of the per-rank graph may run in tiles along the local sequence.
+
+Sharding along the sequence splits it over ranks in space; tiling splits a rank's share once more,
+in time. The sharding plan already says which ops allow it: an op whose solved strategy maps
+inputs sharded on the sequence to outputs sharded on it, with no collective on the way, computes
+each output row from the same rows of its inputs (its sharding rule says so), so it also runs on
+any contiguous tile of those rows; an op whose output is ``Partial`` from sequence-sharded inputs
+is a sum over the rows (a weight gradient, a loss), so it runs per tile and the tiles' results
+add up. Chains of such ops (normalisation, the MLP, the projections around attention, the
+vocabulary projection with its loss, and all their gradients) run tile by tile: one tile's
+intermediates are alive at a time, as in ALST's TiledMLP and tiled logits/loss, but found by the
+compiler, not written by hand per model. Recomputed by the checkpointing pass, a tile is rebuilt
+just before its gradient needs it (AOTAutograd's backward mimics the autograd engine's order),
+so the backward's transient shrinks with the tile too.
+
+Left out: collectives, attention kernels (their rows see every key), random ops (their draws
+depend on the rows' place), autosp's own ops, strided shards (a batch flattened with the
+sequence), ops with a size argument the tiler does not rewrite, and multi-output ops with a
+``Partial`` output.
+"""
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from ..propagate._placement import P, chunks, local_shape, shard_spec
+from ..propagate._rules import out_vals, tensor_inputs
+
+__all__ = ["Tiling", "plan_tiles", "MIN_TILE_ROWS", "MAX_TILES"]
+
+aten = torch.ops.aten
+
+MIN_TILE_ROWS = 512  # smaller tiles cost more in per-op overhead than they save (CPU and GPU)
+MAX_TILES = 4  # each tiled op appears once per tile in the graph: compile time grows with it
+
+# ops whose argument 1 is an output (or input) shape, rewritten per tile; argument 2 of the
+# *_backward ops is the sliced dim, which must not be the tiled one
+SHAPE_ARG = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
+             aten.slice_backward.default, aten.select_backward.default}
+_DIM_ARG = {aten.slice_backward.default, aten.select_backward.default}
+_SIZE_NAMES = {"size", "sizes", "shape", "stride", "input_size", "input_sizes", "output_size", "self_sizes"}
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """The tiled ops (``nodes``, in graph order), each one's tiled dim (None for ``Partial``
+    outputs: summed over the tiles), and the tile lengths along a local sequence of ``rows``."""
+
+    nodes: dict[fx.Node, int | None]
+    rows: int
+    sizes: tuple[int, ...]
+
+    @property
+    def starts(self) -> tuple[int, ...]:
+        return tuple(sum(self.sizes[:j]) for j in range(len(self.sizes)))
+
+
+def _seq_dim(p, shape, n: int, rank: int) -> tuple[int, int] | None:
+    """(dim, local length) of an output placed as a plain shard; None otherwise."""
+    spec = shard_spec(p) if p is not None else None
+    if spec is None or spec[1] != 1:
+        return None
+    return spec[0], local_shape(shape, p, n, rank)[spec[0]]
+
+
+def _has_size_arg(target) -> bool:
+    schema = getattr(target, "_schema", None)
+    return schema is not None and any(a.name in _SIZE_NAMES and "[]" in str(a.type) for a in schema.arguments)
+
+
+def _excluded(nd: fx.Node, kernel) -> bool:
+    target = nd.target
+    if target is operator.getitem:
+        return False
+    if not isinstance(target, torch._ops.OpOverload) or kernel is not None:
+        return True
+    name = target.name()
+    if target.namespace in ("_c10d_functional", "autosp") or "scaled_dot_product" in name or "flash_attention" in name:
+        return True
+    if torch.Tag.nondeterministic_seeded in target.tags or target is aten.native_dropout.default:
+        return True
+    return target not in SHAPE_ARG and _has_size_arg(target)
+
+
+def plan_tiles(graph: fx.Graph, plan, n: int, rank: int, tiles: int = MAX_TILES) -> Tiling | None:
+    """The ops of ``graph`` (solved ``plan``) that run in tiles along the local sequence (the
+    most common sharded length): as many as fit ``MIN_TILE_ROWS`` rows each, at most ``tiles``;
+    None when that is fewer than two or nothing can be tiled."""
+    cand: dict[fx.Node, int | None] = {}
+    lengths: dict[fx.Node, int] = {}
+    for nd in graph.nodes:
+        if nd.op != "call_function" or nd not in plan or _excluded(nd, plan[nd].kernel):
+            continue
+        s = plan[nd]
+        ins = tensor_inputs(nd)
+        if not ins or any(plan[u].outs[i] != q for (u, i), q in zip(ins, s.ins)):
+            continue  # no tensor input (a factory), or a collective on an input edge
+        outs = [(p, v) for p, v in zip(s.outs, out_vals(nd)) if v is not None]
+        if not outs:
+            continue
+        if all(p == P for p, _ in outs):
+            if len(outs) == 1 and (nd.target is operator.getitem or len(out_vals(nd)) == 1):
+                cand[nd] = None
+            continue
+        dims = [_seq_dim(p, v.shape, n, rank) for p, v in outs]
+        if any(d is None for d in dims) or len({d for d, _ in dims}) != 1 or len({L for _, L in dims}) != 1:
+            continue
+        d, _ = dims[0]
+        if nd.target in _DIM_ARG and nd.args[2] % len(outs[0][1].shape) == d:
+            continue
+        cand[nd], lengths[nd] = d, outs[0][1].shape[d]
+    if not lengths:
+        return None
+    # the sequence: the most common global length of a sharded dim; the number of tiles from
+    # the first rank's share (the longest), so that every rank tiles alike
+    seq = Counter(lengths.values()).most_common(1)[0][0]
+    tiles = min(tiles, chunks(seq, n)[0] // MIN_TILE_ROWS)
+    if tiles < 2:
+        return None
+    rows = chunks(seq, n)[rank]
+    nodes = {nd: d for nd, d in cand.items() if d is None or lengths[nd] == seq}
+
+    def sharded_input(u: fx.Node, i: int) -> bool:
+        spec = _seq_dim(plan[u].outs[i], out_vals(u)[i].shape, n, rank) if u in plan else None
+        return spec is not None and spec[1] == rows
+
+    # every tiled op's sharded input has the tiled length (it is sliced into the same tiles)
+    for nd in [nd for nd, d in nodes.items() if d is not None]:
+        for (u, i), q in zip(tensor_inputs(nd), plan[nd].ins):
+            if shard_spec(q) is not None and u not in nodes and not sharded_input(u, i):
+                del nodes[nd]
+                break
+    changed = True
+    while changed:  # a tile's partial sum needs every partial input tiled too, and one tiled input
+        changed = False
+        for nd in [nd for nd, d in nodes.items() if d is None]:
+            ins = tensor_inputs(nd)
+            ok = all(u in nodes for (u, i) in ins if plan[u].outs[i] == P) and any(
+                u in nodes or sharded_input(u, i) for u, i in ins)
+            if not ok:
+                del nodes[nd]
+                changed = True
+    if not any(d is not None for d in nodes.values()):
+        return None
+    return Tiling(nodes, rows, tuple(chunks(rows, tiles)))

@@ -147,12 +147,19 @@ class PlanFit:
     def rungs(self, seq: int):
         from .partition._checkpoint import Rung
         from .partition._memory import MemoryEstimate
-        names = {tuple(r.name for r in self.plans[(k, s)].checkpoint.rungs) for k in (1, 2) for s in self.seqs}
-        if len(names) != 1:  # rungs are matched by position: they must be the same ladder
-            raise RuntimeError(f"autosp plan: the traces built different checkpointing ladders: {sorted(names)}")
+        # rungs are matched by name; the tiled rung's tile count follows the length (a trace too
+        # short to tile has no such rung: the fit then goes without it)
+        def key(name: str) -> str:
+            return re.sub(r"^(full(?: \+ loss)?), \d+ tiles$", r"\1, tiles", name)
+
+        traces = [self.plans[(k, s)] for k in (1, 2) for s in self.seqs]
+        common = [key(r.name) for r in traces[0].checkpoint.rungs]
+        for p in traces[1:]:
+            common = [k for k in common if k in {key(r.name) for r in p.checkpoint.rungs}]
         out = []
-        for i, r in enumerate(self.plans[(1, self.seqs[0])].checkpoint.rungs):
-            rung = lambda p: p.checkpoint.rungs[i]  # noqa: E731
+        for name in common:
+            rung = lambda p, name=name: next(r for r in p.checkpoint.rungs if key(r.name) == name)  # noqa: E731
+            r = rung(self.plans[(1, self.seqs[0])])
             params, grads, saved, fw, bw = (int(self._value(lambda p, f=f: getattr(rung(p).memory, f), seq))
                                             for f in ("params", "grads", "saved", "forward_peak", "backward_peak"))
             # with more layers the backward's peak can move from the loss to its end, where every

@@ -11,13 +11,19 @@ attention (its recompute grows with the square of the sequence, its output and l
 linearly), collectives (the partitioner force-saves them: communication per step never grows)
 and random ops (their draws would differ; the SDPA ops carry torch's random tag for dropout and
 would take the partitioner's RNG-state path).
+Past "full", two rungs run on the graph tiled along the sequence (``_tiling``: one tile of the
+MLP, the projections, the vocabulary projection and their gradients alive at a time):
+"full, N tiles", and "full + loss, N tiles", which also recomputes the ops after the last layer
+(final norm, vocabulary projection, loss), tile by tile, instead of keeping the logits. They are
+built where the local sequence holds two tiles of ``MIN_TILE_ROWS`` and the policy may take them.
 Each rung is partitioned and its memory predicted from the resulting graphs; the policy picks
 one:
 
 - ``"none"``: the partitioner's own choice (torch.compile's default); recompute tags the model
   set itself (``torch.utils.checkpoint`` inside the step) are replaced under every policy;
-- ``"full"``: the last rung (reported under the name of the last threshold rung when that one
-  already tags the same ops);
+- ``"full"``: the least memory of the rungs that recompute every layer op ("full" and the tiled
+  ones; reported under the name of the last threshold rung when that one already tags the same
+  ops);
 - ``"auto"``: the least memory whose recompute costs at most ``AUTO_OVERHEAD`` of the step;
 - an int: a budget in bytes per rank for the step's peak beyond parameters and optimizer
   state; the cheapest rung that fits, or an error naming the smallest budget that fits.
@@ -93,8 +99,9 @@ def select(policy, rungs: list[Rung], peaks: list[int] | None = None) -> Rung:
     a budget against (the largest over the ranks), by default the rung's own prediction."""
     if policy == "none":
         return rungs[0]
-    if policy == "full":
-        return rungs[-1]
+    if policy == "full":  # the least memory of the rungs that recompute every layer op
+        full = [r for r in rungs if r.name == "full" or r.name.startswith(("full,", "full +"))] or rungs[-1:]
+        return min(full, key=lambda r: (r.memory.peak, r.recompute))
     if policy == "auto":
         fits = [r for r in rungs if r.overhead <= AUTO_OVERHEAD] or rungs[:1]
         return min(fits, key=lambda r: (r.memory.peak, r.overhead))
@@ -189,6 +196,17 @@ def _forward_ops(gm: fx.GraphModule) -> dict[fx.Node, str]:
     return out
 
 
+def _head_ops(gm: fx.GraphModule, fwd: dict[fx.Node, str]) -> list[fx.Node]:
+    """Forward ops outside the layers that depend on a layer's result: the final norm, the
+    vocabulary projection and the loss (recomputed by the tiled rung, tile by tile)."""
+    after: set[fx.Node] = set()
+    for nd in gm.graph.nodes:
+        if nd.op == "call_function" and nd.meta.get("partitioner_tag") == "is_forward" and nd not in fwd and any(
+                u in fwd or u in after for u in nd.all_input_nodes):
+            after.add(nd)
+    return [nd for nd in gm.graph.nodes if nd in after]
+
+
 def _tagged_copy(gm: fx.GraphModule, tags: dict[str, CheckpointPolicy], regions: dict[str, int]) -> fx.GraphModule:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -225,16 +243,20 @@ def _attention_merges(fwd: dict[fx.Node, str], kinds: dict[fx.Node, str]) -> set
 
 
 def _ladder(gm: fx.GraphModule, cost: dict[str, float]) -> tuple[list[tuple[str, dict[str, CheckpointPolicy]]],
-                                                                 dict[str, int]]:
+                                                                 dict[str, int], dict[str, CheckpointPolicy]]:
+    """The rungs (name, tags), the region of each tagged op, and the tags that also recompute
+    the ops after the last layer (``_head_ops``), added to "full" by the tiled rung."""
     fwd = _forward_ops(gm)
     region_ids = {r: i for i, r in enumerate(dict.fromkeys(fwd.values()))}
     regions = {nd.name: region_ids[r] for nd, r in fwd.items()}
-    kinds = {nd: _kind(nd) for nd in fwd}
+    head = _head_ops(gm, fwd)
+    regions.update({nd.name: len(region_ids) for nd in head})
+    kinds = {nd: _kind(nd) for nd in [*fwd, *head]}
     per_byte = {nd.name: cost[nd.name] / max(_nbytes(nd), 1) for nd in fwd if kinds[nd] == "compute"}
     merges = _attention_merges(fwd, kinds)
     keep = {nd.name: CheckpointPolicy.MUST_SAVE for nd in fwd if kinds[nd] in ("attention", "random") or nd in merges}
     views = {nd.name: CheckpointPolicy.PREFER_RECOMPUTE for nd in fwd if kinds[nd] == "view"}
-    getitems = [nd for nd in fwd if kinds[nd] == "getitem"]
+    getitems = [nd for nd in [*fwd, *head] if kinds[nd] == "getitem"]
 
     def with_getitems(tags: dict[str, CheckpointPolicy]) -> dict[str, CheckpointPolicy]:
         # an output of a multi-output op follows the op: a tuple cannot be saved on its own
@@ -251,7 +273,9 @@ def _ladder(gm: fx.GraphModule, cost: dict[str, float]) -> tuple[list[tuple[str,
     full = {**{nd.name: CheckpointPolicy.PREFER_RECOMPUTE for nd in fwd if kinds[nd] in ("compute", "view")}, **keep}
     if fwd:
         ladder.append(("full", with_getitems(full)))
-    return ladder, regions
+    head_tags = {nd.name: CheckpointPolicy.PREFER_RECOMPUTE if kinds[nd] in ("compute", "view") else
+                 CheckpointPolicy.MUST_SAVE for nd in head if kinds[nd] != "getitem"}
+    return ladder, regions, with_getitems({**full, **head_tags}) if fwd and head_tags else {}
 
 
 def _recompute_cost(fw: fx.GraphModule, bw: fx.GraphModule, cost_of) -> float:
@@ -292,7 +316,9 @@ def checkpoint_partition(gm: fx.GraphModule, joint_inputs, policy, *, num_fwd_ou
 
     def ladder_of(g: fx.GraphModule):
         cost = {nd.name: _cost(nd) for nd in g.graph.nodes if nd.op == "call_function"}
-        ladder, regions = _ladder(g, cost)
+        ladder, regions, with_head = _ladder(g, cost)
+        if with_head:
+            ladder.append(("full + loss", with_head))
         # FSDP2's parameter gathers: re-gathered in the backward (or kept) under every policy
         params = fsdp_tags(g)
         regions = {**regions, **{k: region for k, (_, region) in params.items()}}
@@ -303,6 +329,7 @@ def checkpoint_partition(gm: fx.GraphModule, joint_inputs, policy, *, num_fwd_ou
         return ladder, regions, cost, cost_of
 
     ladder, regions, cost, cost_of = ladder_of(gm)
+    ladder = [r for r in ladder if r[0] != "full + loss"]  # tiled only: untiled, the logits come back whole
     ops = [nd for nd in gm.graph.nodes if nd.op == "call_function"]
     step_cost = sum(cost.values())
     attention_cost = sum(cost[nd.name] for nd in ops if _kind(nd) == "attention")
@@ -324,13 +351,12 @@ def checkpoint_partition(gm: fx.GraphModule, joint_inputs, policy, *, num_fwd_ou
     # the tiled "full" rung: where the walk reached "full" (a budget: always, alike on every rank)
     if tiled is not None and policy != "none" and ladder[-1][0] == "full" and (isinstance(policy, int) or not settled):
         g = tiled()
-        t_ladder, t_regions, t_cost, t_cost_of = ladder_of(g) if g is not None else ([("none", {})], {}, {}, None)
-        if t_ladder[-1][0] == "full":
-            _, tags = t_ladder[-1]
+        t_ladder, t_regions, t_cost, t_cost_of = ladder_of(g) if g is not None else ([], {}, {}, None)
+        # the tiles' joins and partial sums count as recompute
+        extra = max(sum(t_cost.values()) - step_cost, 0.0)
+        for name, tags in [r for r in t_ladder if r[0] in ("full", "full + loss")]:
             fw, bw, mem = partition(_tagged_copy(g, tags, t_regions))
-            # the tiles' joins and partial sums count as recompute
-            extra = max(sum(t_cost.values()) - step_cost, 0.0)
-            rung = Rung(f"full, {g.meta['autosp_tiles']} tiles", mem,
+            rung = Rung(f"{name}, {g.meta['autosp_tiles']} tiles", mem,
                         _recompute_cost(fw, bw, t_cost_of) + extra, step_cost, attention_cost)
             results.append((rung, fw, bw))
     rungs = [r[0] for r in results]

@@ -3,10 +3,10 @@
 Every op's outputs are allocated when it runs and freed after their last use, unless they alias
 an input (views, ``wait_tensor``) or leave the graph. What the forward hands the backward (the
 saved activations) is live from the end of the forward; in the backward it is freed after its
-last use where the compiled backward frees its inputs (Inductor), and held to the end where the
-backward's argument list keeps it (``aot_eager``'s boxed call). Measured against peak RSS: held,
-aot_eager 1.01-1.05; freed, Inductor 1.00 with no recomputation but 0.86 with "full" (8192
-tokens over 2; unexplained). The backward's outputs
+last use (both compilers autosp runs free a boxed input after its last use; ``free_saved=False``
+models a backward whose argument list holds them to the end). Measured against peak RSS, small
+preset, 4096 tokens over 2, aot_eager: 1.01 with "none", 1.01 with "full" and with "full" tiled
+(tests/memory_probe.py); Inductor, "full" at 8192 over 2: 0.86 (session 3; unexplained). The backward's outputs
 (parameter gradients) stay. Sizes come from the fake tensors on the nodes, so the walk runs on
 graphs traced at any size without allocating anything. Workspace inside an op (a matmul's
 packing buffers, attention's blocks) is not seen, except ring attention's (``RING_WORKSPACE``,

@@ -733,11 +733,18 @@ def fsdp_ops(over: str) -> dict:
 
 def tiled(fn, *args, min_rows: int = 8, **kwargs):
     """``fn(*args, **kwargs)`` with sequence tiling from ``min_rows`` rows a tile (the default,
-    ``MIN_TILE_ROWS``, keeps the short test sequences untiled)."""
-    from autosp.partition import _tiling
-    keep = _tiling.MIN_TILE_ROWS
-    _tiling.MIN_TILE_ROWS = min_rows
+    ``MIN_TILE_ROWS``, keeps the short test sequences untiled), and checkpoint="full" taking the
+    last tiled rung ("full + loss, N tiles"; on these small graphs the untiled "full" would
+    predict less memory and be taken)."""
+    from autosp.partition import _checkpoint, _tiling
+    keep, select = _tiling.MIN_TILE_ROWS, _checkpoint.select
+
+    def last_tiled(policy, rungs, peaks=None):
+        tiled = [r for r in rungs if r.name.endswith(" tiles")]
+        return tiled[-1] if policy == "full" and tiled else select(policy, rungs, peaks)
+
+    _tiling.MIN_TILE_ROWS, _checkpoint.select = min_rows, last_tiled
     try:
         return fn(*args, **kwargs)
     finally:
-        _tiling.MIN_TILE_ROWS = keep
+        _tiling.MIN_TILE_ROWS, _checkpoint.select = keep, select

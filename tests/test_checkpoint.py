@@ -52,7 +52,7 @@ def test_sequence_tiling_matches_single_device(pools, kind, b, L):
         assert abs(loss - loss_ref) <= 1e-10 * abs(loss_ref)
         assert max(r["grad_err"].values()) <= 1e-10
         assert r["param_err"] <= 1e-10
-        assert r["checkpoint"].startswith("full, ") and r["checkpoint"].endswith(" tiles"), r["checkpoint"]
+        assert r["checkpoint"].startswith("full + loss, ") and r["checkpoint"].endswith(" tiles"), r["checkpoint"]
     if kind == "llama":  # cases.comm also runs hand-written Ulysses, written for Llama
         none = pools(2).run(cases.comm, kind, b, L, "none")[0]["autosp"]
         tiled = pools(2).run(cases.tiled, cases.comm, kind, b, L, "full")[0]["autosp"]

@@ -204,7 +204,14 @@ def _head_ops(gm: fx.GraphModule, fwd: dict[fx.Node, str]) -> list[fx.Node]:
         if nd.op == "call_function" and nd.meta.get("partitioner_tag") == "is_forward" and nd not in fwd and any(
                 u in fwd or u in after for u in nd.all_input_nodes):
             after.add(nd)
-    return [nd for nd in gm.graph.nodes if nd in after]
+    # only what the backward reads: the loss's own sum, tagged, would take its all-reduce along
+    # into the backward (the partitioner keeps a collective whose input it has there)
+    read: set[fx.Node] = set()
+    for nd in reversed(gm.graph.nodes):
+        if nd.op == "call_function" and nd.meta.get("partitioner_tag") == "is_backward" or any(
+                u in read for u in nd.users):
+            read.add(nd)
+    return [nd for nd in gm.graph.nodes if nd in after and nd in read]
 
 
 def _tagged_copy(gm: fx.GraphModule, tags: dict[str, CheckpointPolicy], regions: dict[str, int]) -> fx.GraphModule:
@@ -252,6 +259,7 @@ def _ladder(gm: fx.GraphModule, cost: dict[str, float]) -> tuple[list[tuple[str,
     head = _head_ops(gm, fwd)
     regions.update({nd.name: len(region_ids) for nd in head})
     kinds = {nd: _kind(nd) for nd in [*fwd, *head]}
+
     per_byte = {nd.name: cost[nd.name] / max(_nbytes(nd), 1) for nd in fwd if kinds[nd] == "compute"}
     merges = _attention_merges(fwd, kinds)
     keep = {nd.name: CheckpointPolicy.MUST_SAVE for nd in fwd if kinds[nd] in ("attention", "random") or nd in merges}

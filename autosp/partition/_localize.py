@@ -122,7 +122,7 @@ def localize(joint: fx.GraphModule, choice: Choice, joint_inputs, n: int, rank: 
     def run_tiles(group: list[fx.Node]) -> None:
         """The waiting tiled ops, one tile through all of them, then the next; the partial sums
         read untiled (weight gradients, the loss) are added up as the tiles go."""
-        sliced: dict[tuple[fx.Node, int, int], torch.Tensor] = {}
+        sliced: dict[tuple, torch.Tensor] = {}
         summed = {nd for nd in group if tiled[nd] is None and any(u not in tiled for u in nd.users)}
         for j, (start, rows) in enumerate(zip(tiling.starts, tiling.sizes)):
             def tile(u: fx.Node, i: int, q) -> torch.Tensor:
@@ -132,9 +132,10 @@ def localize(joint: fx.GraphModule, choice: Choice, joint_inputs, n: int, rank: 
                 spec = shard_spec(q)
                 if spec is None:
                     return value(u, i)
-                if (u, i, j) not in sliced:
-                    sliced[u, i, j] = value(u, i).narrow(spec[0], start, rows)
-                return sliced[u, i, j]
+                if (u, i, q, j) not in sliced:  # this rank's rows (a free slice of a replicated input), this tile's
+                    local = redistribute(value(u, i), plan[u].outs[i], q, n, rank, group, out_vals(u)[i].shape)
+                    sliced[u, i, q, j] = local.narrow(spec[0], start, rows)
+                return sliced[u, i, q, j]
 
             for nd in group:
                 with fx.traceback.set_current_meta(nd):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ..propagate._placement import P, chunks, local_shape, shard_spec
+from ..propagate._placement import P, chunks, local_shape, redistribute_kind, shard_spec
 from ..propagate._rules import out_vals, tensor_inputs
 
 __all__ = ["Tiling", "plan_tiles", "MIN_TILE_ROWS", "MAX_TILES"]
@@ -97,7 +97,7 @@ def plan_tiles(graph: fx.Graph, plan, n: int, rank: int, tiles: int = MAX_TILES)
             continue
         s = plan[nd]
         ins = tensor_inputs(nd)
-        if not ins or any(plan[u].outs[i] != q for (u, i), q in zip(ins, s.ins)):
+        if not ins or any(redistribute_kind(plan[u].outs[i], q) != "" for (u, i), q in zip(ins, s.ins)):
             continue  # no tensor input (a factory), or a collective on an input edge
         outs = [(p, v) for p, v in zip(s.outs, out_vals(nd)) if v is not None]
         if not outs:
@@ -124,23 +124,24 @@ def plan_tiles(graph: fx.Graph, plan, n: int, rank: int, tiles: int = MAX_TILES)
     rows = chunks(seq, n)[rank]
     nodes = {nd: d for nd, d in cand.items() if d is None or lengths[nd] == seq}
 
-    def sharded_input(u: fx.Node, i: int) -> bool:
-        spec = _seq_dim(plan[u].outs[i], out_vals(u)[i].shape, n, rank) if u in plan else None
+    def sharded_input(u: fx.Node, i: int, q) -> bool:
+        """An untiled input the op reads sequence-sharded, of the tiled length: sliced."""
+        spec = _seq_dim(q, out_vals(u)[i].shape, n, rank)
         return spec is not None and spec[1] == rows
 
     # every tiled op's sharded input has the tiled length (it is sliced into the same tiles)
     for nd in [nd for nd, d in nodes.items() if d is not None]:
         for (u, i), q in zip(tensor_inputs(nd), plan[nd].ins):
-            if shard_spec(q) is not None and u not in nodes and not sharded_input(u, i):
+            if shard_spec(q) is not None and u not in nodes and not sharded_input(u, i, q):
                 del nodes[nd]
                 break
     changed = True
     while changed:  # a tile's partial sum needs every partial input tiled too, and one tiled input
         changed = False
         for nd in [nd for nd, d in nodes.items() if d is None]:
-            ins = tensor_inputs(nd)
-            ok = all(u in nodes for (u, i) in ins if plan[u].outs[i] == P) and any(
-                u in nodes or sharded_input(u, i) for u, i in ins)
+            ins = list(zip(tensor_inputs(nd), plan[nd].ins))
+            ok = all(u in nodes for (u, i), _ in ins if plan[u].outs[i] == P) and any(
+                u in nodes or sharded_input(u, i, q) for (u, i), q in ins)
             if not ok:
                 del nodes[nd]
                 changed = True

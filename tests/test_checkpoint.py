@@ -59,7 +59,7 @@ def test_sequence_tiling_matches_single_device(pools, kind, b, L):
         assert Counter(none) == Counter(tiled)
 
 
-def _rungs(fake_world, checkpoint, seq=8192, sp=2, every_rung=False):
+def _rungs(fake_world, checkpoint, seq=4096, sp=2, every_rung=False):
     from autosp.annotations._shard import _Sharded
     from autosp.backend._backend import Options
     fake_world(sp)

@@ -294,6 +294,11 @@ def _recompute_cost(fw: fx.GraphModule, bw: fx.GraphModule, cost_of) -> float:
                if nd.op == "call_function" and nd.name in fw_names and nd.target is not _FSDP_GATHER)
 
 
+def _written(gm: fx.GraphModule, cost: dict[str, float]) -> float:
+    """The estimated cost of the ops that compute (not views or getitems)."""
+    return sum(cost[nd.name] for nd in gm.graph.nodes if nd.op == "call_function" and _kind(nd) not in ("view", "getitem"))
+
+
 def _settled(policy, rung: Rung) -> bool:
     """Whether later rungs (recomputing more) cannot be the policy's choice."""
     if policy == "auto":
@@ -359,14 +364,15 @@ def checkpoint_partition(gm: fx.GraphModule, joint_inputs, policy, *, num_fwd_ou
     # the tiled "full" rung: where the walk reached "full" (a budget: always, alike on every rank)
     if tiled is not None and policy != "none" and ladder[-1][0] == "full" and (isinstance(policy, int) or not settled):
         g = tiled()
-        t_ladder, t_regions, t_cost, t_cost_of = ladder_of(g) if g is not None else ([], {}, {}, None)
-        # the tiles' joins and partial sums count as recompute
-        extra = max(sum(t_cost.values()) - step_cost, 0.0)
-        for name, tags in [r for r in t_ladder if r[0] in ("full", "full + loss")]:
-            fw, bw, mem = partition(_tagged_copy(g, tags, t_regions))
-            rung = Rung(f"{name}, {g.meta['autosp_tiles']} tiles", mem,
-                        _recompute_cost(fw, bw, t_cost_of) + extra, step_cost, attention_cost)
-            results.append((rung, fw, bw))
+        if g is not None:
+            t_ladder, t_regions, t_cost, t_cost_of = ladder_of(g)
+            # the tiles' joins and partial sums count as recompute (views, the tiles' slices, write nothing)
+            extra = max(_written(g, t_cost) - _written(gm, cost), 0.0)
+            for name, tags in [r for r in t_ladder if r[0] in ("full", "full + loss")]:
+                fw, bw, mem = partition(_tagged_copy(g, tags, t_regions))
+                rung = Rung(f"{name}, {g.meta['autosp_tiles']} tiles", mem,
+                            _recompute_cost(fw, bw, t_cost_of) + extra, step_cost, attention_cost)
+                results.append((rung, fw, bw))
     rungs = [r[0] for r in results]
     peaks = [r.memory.peak for r in rungs]
     rung = select(policy, rungs, largest(peaks) if largest is not None and isinstance(policy, int) else peaks)

@@ -35,7 +35,7 @@ __all__ = ["Tiling", "plan_tiles", "MIN_TILE_ROWS", "MAX_TILES"]
 aten = torch.ops.aten
 
 MIN_TILE_ROWS = 512  # smaller tiles cost more in per-op overhead than they save (CPU and GPU)
-MAX_TILES = 4  # each tiled op appears once per tile in the graph: compile time grows with it
+MAX_TILES = 8  # each tiled op appears once per tile in the graph: compile time grows with it
 
 # ops whose argument 1 is an output (or input) shape, rewritten per tile; argument 2 of the
 # *_backward ops is the sliced dim, which must not be the tiled one

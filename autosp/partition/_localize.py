@@ -97,14 +97,14 @@ def localize(joint: fx.GraphModule, choice: Choice, joint_inputs, n: int, rank: 
         env.clear()
         parts.clear()
         env.update(zip(placeholders, list(primals) + list(tangents)))
-        group: list[fx.Node] = []  # tiled ops waiting to run, tile by tile
+        waiting: list[fx.Node] = []  # tiled ops waiting to run, tile by tile
         for nd in graph.nodes:
             if nd in tiled:
-                group.append(nd)
+                waiting.append(nd)
                 continue
-            if group and (nd.op == "output" or any(u in tiled and u not in parts for u in nd.all_input_nodes)):
-                run_tiles(group)
-                group = []
+            if waiting and (nd.op == "output" or any(u in tiled and u not in parts for u in nd.all_input_nodes)):
+                run_tiles(waiting)
+                waiting = []
             with fx.traceback.set_current_meta(nd):
                 result = step(nd)
             if nd.op == "output":
@@ -114,16 +114,16 @@ def localize(joint: fx.GraphModule, choice: Choice, joint_inputs, n: int, rank: 
         if u not in env:  # a tiled op read untiled: its tiles joined along the sequence
             with fx.traceback.set_current_meta(u):
                 v = parts[u]
-                env[u] = type(v[0])(torch.cat(list(t), tiled[u]) for t in zip(*v)) if isinstance(
-                    v[0], (tuple, list)) else torch.cat(v, tiled[u])
+                env[u] = type(v[0])(torch.cat(list(t), tiled[u]) if isinstance(t[0], torch.Tensor) else t[0]
+                                    for t in zip(*v)) if isinstance(v[0], (tuple, list)) else torch.cat(v, tiled[u])
         v = env[u]
         return v[i] if u.target is not operator.getitem and isinstance(v, (tuple, list)) else v
 
-    def run_tiles(group: list[fx.Node]) -> None:
+    def run_tiles(ops: list[fx.Node]) -> None:
         """The waiting tiled ops, one tile through all of them, then the next; the partial sums
         read untiled (weight gradients, the loss) are added up as the tiles go."""
         sliced: dict[tuple, torch.Tensor] = {}
-        summed = {nd for nd in group if tiled[nd] is None and any(u not in tiled for u in nd.users)}
+        summed = {nd for nd in ops if tiled[nd] is None and any(u not in tiled for u in nd.users)}
         for j, (start, rows) in enumerate(zip(tiling.starts, tiling.sizes)):
             def tile(u: fx.Node, i: int, q) -> torch.Tensor:
                 if u in tiled:
@@ -137,7 +137,7 @@ def localize(joint: fx.GraphModule, choice: Choice, joint_inputs, n: int, rank: 
                     sliced[u, i, q, j] = local.narrow(spec[0], start, rows)
                 return sliced[u, i, q, j]
 
-            for nd in group:
+            for nd in ops:
                 with fx.traceback.set_current_meta(nd):
                     s = plan[nd]
                     local = [tile(u, i, q) for (u, i), q in zip(tensor_inputs(nd), s.ins)]

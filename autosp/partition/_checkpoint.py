@@ -361,8 +361,10 @@ def checkpoint_partition(gm: fx.GraphModule, joint_inputs, policy, *, num_fwd_ou
         settled = _settled(policy, rung)
         if not every_rung and settled:
             break
-    # the tiled "full" rung: where the walk reached "full" (a budget: always, alike on every rank)
-    if tiled is not None and policy != "none" and ladder[-1][0] == "full" and (isinstance(policy, int) or not settled):
+    # the tiled rungs: where the walk reached "full" (a budget or a planning tool: always, and a
+    # budget alike on every rank)
+    if tiled is not None and policy != "none" and ladder[-1][0] == "full" and (
+            every_rung or isinstance(policy, int) or not settled):
         g = tiled()
         if g is not None:
             t_ladder, t_regions, t_cost, t_cost_of = ladder_of(g)

@@ -198,7 +198,7 @@ def make_backend(mesh, options: Options, on_plan: Callable[[Plan], None] | None 
         _debug("localize", local, t0)
         t0 = time.perf_counter()
         fw, bw, ckpt = checkpoint_partition(local, joint_inputs, options.checkpoint, num_fwd_outputs=num_fwd_outputs,
-                                            every_rung=options.every_rung, free_saved=True,
+                                            every_rung=options.every_rung,
                                             largest=_largest_peaks(mesh), tiled=lambda: per_rank(MAX_TILES), **kwargs)
         _debug("checkpoint (backward graph)", bw, t0)
         _check_same_schedule(fw, bw, mesh)

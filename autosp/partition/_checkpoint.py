@@ -249,14 +249,14 @@ def _attention_merges(fwd: dict[fx.Node, str], kinds: dict[fx.Node, str]) -> set
     return out
 
 
-def _ladder(gm: fx.GraphModule, cost: dict[str, float]) -> tuple[list[tuple[str, dict[str, CheckpointPolicy]]],
-                                                                 dict[str, int], dict[str, CheckpointPolicy]]:
-    """The rungs (name, tags), the region of each tagged op, and the tags that also recompute
-    the ops after the last layer (``_head_ops``), added to "full" by the tiled rung."""
+def _ladder(gm: fx.GraphModule, cost: dict[str, float], loss: bool = False
+            ) -> tuple[list[tuple[str, dict[str, CheckpointPolicy]]], dict[str, int], dict[str, CheckpointPolicy]]:
+    """The rungs (name, tags), the region of each tagged op, and (``loss``) the tags that also
+    recompute the ops after the last layer (``_head_ops``), "full" plus those."""
     fwd = _forward_ops(gm)
     region_ids = {r: i for i, r in enumerate(dict.fromkeys(fwd.values()))}
     regions = {nd.name: region_ids[r] for nd, r in fwd.items()}
-    head = _head_ops(gm, fwd)
+    head = _head_ops(gm, fwd) if loss else []
     regions.update({nd.name: len(region_ids) for nd in head})
     kinds = {nd: _kind(nd) for nd in [*fwd, *head]}
 
@@ -307,7 +307,7 @@ def _settled(policy, rung: Rung) -> bool:
 
 
 def checkpoint_partition(gm: fx.GraphModule, joint_inputs, policy, *, num_fwd_outputs: int,
-                         every_rung: bool = False, free_saved: bool = False, largest=None,
+                         every_rung: bool = False, largest=None,
                          tiled: Callable[[], fx.GraphModule | None] | None = None, **kwargs):
     """Partition the per-rank joint graph under ``policy``: (forward, backward, Checkpoint). The
     ladder is walked from the rung that recomputes least and stops once the policy is settled,
@@ -315,22 +315,21 @@ def checkpoint_partition(gm: fx.GraphModule, joint_inputs, policy, *, num_fwd_ou
     holds each against ``largest(peaks)``, the peaks of the rank that needs most: ranks with
     uneven shards (or K/V-gathered attention, whose first rank runs one block fewer) predict
     different peaks, and every rank must take the same decision, or raise the same error.
-    ``free_saved``: the compiled backward frees saved activations after their last use.
     ``tiled``: makes the same graph with sequence tiling (``_tiling``; None if nothing tiles);
-    its "full" rung ends the ladder, evaluated when the policy may want less memory than the
-    untiled "full" gives."""
+    its "full" and "full + loss" rungs end the ladder, evaluated when the policy may want less
+    memory than the untiled "full" gives."""
     check_policy(policy)
     every_rung = every_rung or isinstance(policy, int)
 
     def partition(g):
         fw, bw = partitioners.min_cut_rematerialization_partition(g, joint_inputs, num_fwd_outputs=num_fwd_outputs,
                                                                  **kwargs)
-        return fw, bw, estimate_memory(fw, bw, num_fwd_outputs, free_saved)
+        return fw, bw, estimate_memory(fw, bw, num_fwd_outputs)
 
-    def ladder_of(g: fx.GraphModule):
+    def ladder_of(g: fx.GraphModule, loss: bool):
         cost = {nd.name: _cost(nd) for nd in g.graph.nodes if nd.op == "call_function"}
-        ladder, regions, with_head = _ladder(g, cost)
-        if with_head:
+        ladder, regions, with_head = _ladder(g, cost, loss)
+        if with_head:  # tiled only: untiled, the recomputed logits would come back whole
             ladder.append(("full + loss", with_head))
         # FSDP2's parameter gathers: re-gathered in the backward (or kept) under every policy
         params = fsdp_tags(g)
@@ -341,8 +340,7 @@ def checkpoint_partition(gm: fx.GraphModule, joint_inputs, policy, *, num_fwd_ou
             return cost[nd.name] if nd.name in cost else _cost(nd)
         return ladder, regions, cost, cost_of
 
-    ladder, regions, cost, cost_of = ladder_of(gm)
-    ladder = [r for r in ladder if r[0] != "full + loss"]  # tiled only: untiled, the logits come back whole
+    ladder, regions, cost, cost_of = ladder_of(gm, loss=False)
     ops = [nd for nd in gm.graph.nodes if nd.op == "call_function"]
     step_cost = sum(cost.values())
     attention_cost = sum(cost[nd.name] for nd in ops if _kind(nd) == "attention")
@@ -363,11 +361,10 @@ def checkpoint_partition(gm: fx.GraphModule, joint_inputs, policy, *, num_fwd_ou
             break
     # the tiled rungs: where the walk reached "full" (a budget or a planning tool: always, and a
     # budget alike on every rank)
-    if tiled is not None and policy != "none" and ladder[-1][0] == "full" and (
-            every_rung or isinstance(policy, int) or not settled):
+    if tiled is not None and policy != "none" and ladder[-1][0] == "full" and (every_rung or not settled):
         g = tiled()
         if g is not None:
-            t_ladder, t_regions, t_cost, t_cost_of = ladder_of(g)
+            t_ladder, t_regions, t_cost, t_cost_of = ladder_of(g, loss=True)
             # the tiles' joins and partial sums count as recompute (views, the tiles' slices, write nothing)
             extra = max(_written(g, t_cost) - _written(gm, cost), 0.0)
             for name, tags in [r for r in t_ladder if r[0] in ("full", "full + loss")]:

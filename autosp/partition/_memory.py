@@ -3,10 +3,11 @@
 Every op's outputs are allocated when it runs and freed after their last use, unless they alias
 an input (views, ``wait_tensor``) or leave the graph. What the forward hands the backward (the
 saved activations) is live from the end of the forward; in the backward it is freed after its
-last use (both compilers autosp runs free a boxed input after its last use; ``free_saved=False``
-models a backward whose argument list holds them to the end). Measured against peak RSS, small
-preset, 4096 tokens over 2, aot_eager: 1.01 with "none", 1.01 with "full" and with "full" tiled
-(tests/memory_probe.py); Inductor, "full" at 8192 over 2: 0.86 (session 3; unexplained). The backward's outputs
+last use (both compilers autosp runs free a boxed input after its last use). Measured against
+peak RSS (tests/memory_probe.py, small preset, aot_eager): 1.01 with "none" and with "full"
+tiled in 4 at 4096 tokens over 2; 1.05-1.06 tiled in 8 at 8192 over 2 and 16384 over 4, where
+RSS growth under-counts live tensors by ~10 MiB (an RSS trace per backward op peaks at the same op
+as the prediction); Inductor, "full" at 8192 over 2: 0.86 (session 3; unexplained). The backward's outputs
 (parameter gradients) stay. Sizes come from the fake tensors on the nodes, so the walk runs on
 graphs traced at any size without allocating anything. Workspace inside an op (a matmul's
 packing buffers, attention's blocks) is not seen, except ring attention's (``RING_WORKSPACE``,
@@ -94,9 +95,9 @@ def _workspace(nd: fx.Node) -> int:
     return int(factor * _nbytes(query.meta.get("val"))) if isinstance(query, fx.Node) else 0
 
 
-def graph_peak(gm: fx.GraphModule, counted_inputs: set[str], free_inputs: bool = True) -> tuple[int, int]:
+def graph_peak(gm: fx.GraphModule, counted_inputs: set[str]) -> tuple[int, int]:
     """(peak, live at the end) in bytes for one run of ``gm``: placeholders named in
-    ``counted_inputs`` count from the start (freed after their last use if ``free_inputs``);
+    ``counted_inputs`` count from the start (freed after their last use);
     other inputs (parameters, the batch) are held by the caller and not counted."""
     nodes = list(gm.graph.nodes)
     last_use: dict[fx.Node, int] = {}
@@ -150,17 +151,15 @@ def graph_peak(gm: fx.GraphModule, counted_inputs: set[str], free_inputs: bool =
             hold(nd, [])
         peak = max(peak, live + (_workspace(nd) if nd.op == "call_function" else 0))
         for a in nd.all_input_nodes:
-            if last_use.get(a) == i and a not in kept and (free_inputs or a.op != "placeholder"):
+            if last_use.get(a) == i and a not in kept:
                 release(a)
         if nd.op != "output" and not nd.users and nd not in kept:
             release(nd)
     return peak, live
 
 
-def estimate_memory(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int,
-                    free_saved: bool = False) -> MemoryEstimate:
-    """The step's memory per rank from AOTAutograd's partitioned graphs (fake or real values);
-    ``free_saved``: the backward frees each saved activation after its last use (Inductor)."""
+def estimate_memory(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> MemoryEstimate:
+    """The step's memory per rank from AOTAutograd's partitioned graphs (fake or real values)."""
     inputs = list(fw.graph.find_nodes(op="placeholder"))
     primals = {nd.name for nd in inputs}
     fw_peak, fw_end = graph_peak(fw, set())
@@ -169,9 +168,7 @@ def estimate_memory(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int
     # backward inputs: the saved activations (not parameters or inputs passed through) and the
     # tangents; its outputs, the gradients, stay
     saved = {nd.name for nd in bw.graph.find_nodes(op="placeholder") if nd.name not in primals}
-    bw_peak, bw_end = graph_peak(bw, saved, free_inputs=free_saved)
-    if not free_saved:  # held to the end, freed with the backward's arguments
-        bw_end -= sum(_nbytes(nd.meta.get("val")) for nd in bw.graph.find_nodes(op="placeholder") if nd.name in saved)
+    bw_peak, bw_end = graph_peak(bw, saved)
     outs = list(bw.graph.output_node().args[0])
     grads = bw_end  # what stays after the backward: the gradients (buckets counted once)
     # the inputs that get a gradient (AOTAutograd returns one per input, None where none)

@@ -35,7 +35,7 @@ __all__ = ["Tiling", "plan_tiles", "MIN_TILE_ROWS", "MAX_TILES"]
 aten = torch.ops.aten
 
 # a floor on a tile's rows: per-op overhead grows with the tile count (small preset at 8192 tokens
-# over 2, aot_eager: 8 tiles of 512 rows ran 3.09 s a step, 4 tiles of 1024 3.11 s; not measured on
+# over 2, aot_eager, separate runs: 8 tiles of 512 rows ran 3.09 s a step, 4 tiles of 1024 3.11 s; not measured on
 # a GPU, where small tiles waste more of a kernel)
 MIN_TILE_ROWS = 512
 MAX_TILES = 8  # each tiled op appears once per tile in the graph: compile time grows with it
@@ -54,8 +54,11 @@ class Tiling:
     outputs: summed over the tiles), and the tile lengths along a local sequence of ``rows``."""
 
     nodes: dict[fx.Node, int | None]
-    rows: int
     sizes: tuple[int, ...]
+
+    @property
+    def rows(self) -> int:
+        return sum(self.sizes)
 
     @property
     def starts(self) -> tuple[int, ...]:
@@ -150,4 +153,4 @@ def plan_tiles(graph: fx.Graph, plan, n: int, rank: int, tiles: int = MAX_TILES)
                 changed = True
     if not any(d is not None for d in nodes.values()):
         return None
-    return Tiling(nodes, rows, tuple(chunks(rows, tiles)))
+    return Tiling(nodes, tuple(chunks(rows, tiles)))

@@ -1,7 +1,8 @@
 """Small decoder-only LMs for the examples and tests, written as single-device code.
 
-``Llama``: RMSNorm, RoPE computed from positions, grouped-query attention, SwiGLU, causal SDPA
-(or the same attention written out: matmul, additive causal mask, softmax, matmul), the causal-LM
+``Llama``: RMSNorm, RoPE computed from positions, grouped-query attention (K/V repeated to the
+query heads, as Hugging Face's ``repeat_kv``), SwiGLU, causal SDPA (or the same attention written
+out: matmul, additive causal mask, softmax, matmul; or SDPA on the unrepeated K/V), the causal-LM
 shift inside the model, cross-entropy with ignore_index.
 ``GPT``: learned absolute positions, tied input/output embeddings, LayerNorm with biases, GELU MLP,
 attention written out by hand with ``masked_fill``; takes labels already shifted.
@@ -27,7 +28,7 @@ class LlamaConfig:
     kv_heads: int = 2
     ffn: int = 128
     rope_theta: float = 10000.0
-    attn: str = "sdpa"  # or "manual"
+    attn: str = "sdpa"  # or "manual"; "gqa": SDPA with the K/V heads unrepeated (enable_gqa)
 
 
 class RMSNorm(nn.Module):
@@ -79,6 +80,9 @@ class LlamaAttention(nn.Module):
         cos, sin = cos[:, None], sin[:, None]
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
+        if c.attn == "gqa":
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return self.o_proj(o.transpose(1, 2).reshape(b, t, c.heads * self.hd))
         rep = c.heads // c.kv_heads
         k = k[:, :, None].expand(b, c.kv_heads, rep, t, self.hd).reshape(b, c.heads, t, self.hd)
         v = v[:, :, None].expand(b, c.kv_heads, rep, t, self.hd).reshape(b, c.heads, t, self.hd)

@@ -85,6 +85,24 @@ def test_batch_is_never_sharded(fake_world):
     assert got == _ulysses_expected(model, world, heads, kv, dim, b=2), str(plan)
 
 
+def test_repeated_kv_plans_as_grouped_query_attention(fake_world):
+    """K/V repeated to the query head count before SDPA (``repeat_kv``) plan the same collectives
+    and the same predicted memory as SDPA on the unrepeated K/V (``enable_gqa``): the repeat is
+    folded into the kernel, so neither the repeated K/V nor their gradients are built (catches a
+    fold of the forward only, or none). Where the K/V heads do not split over the ranks the repeat
+    stays: it is what lets the heads split."""
+    fake_world(4)
+    _, rep = _plan(4, 8, 4, 64, "sdpa")
+    _, gqa = _plan(4, 8, 4, 64, "gqa")
+    assert sum("unrepeated" in note for note in rep.notes) == LAYERS, rep.notes
+    kinds = lambda plan: Counter((c.kind, c.backward, math.prod(c.shape), c.bytes_per_rank) for c in plan.collectives)
+    assert kinds(rep) == kinds(gqa)
+    assert rep.memory == gqa.memory, (rep.memory, gqa.memory)
+    _, kept = _plan(4, 8, 2, 64, "sdpa")
+    assert not any("unrepeated" in note for note in kept.notes)
+    assert {c.kind for c in kept.collectives} == {"all_to_all", "all_reduce"}
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "manual"])
 def test_uneven_heads_plan_is_ulysses_with_an_uneven_split(fake_world, attn):
     """6 heads over 4 ranks: all-to-alls only (no all-gather of K/V), as with even heads."""

@@ -22,6 +22,7 @@ from .._plan import Plan, build_plan
 from ..errors import PlanError
 from ..partition._checkpoint import checkpoint_partition
 from ..partition._fsdp import FSDP_OPS, gathers_at_first_use
+from ..partition._gqa import fold_kv_repeats
 from ..partition._localize import localize
 from ..partition._tiling import MAX_TILES
 from ..propagate._solver import propagate, solve
@@ -179,9 +180,11 @@ def make_backend(mesh, options: Options, on_plan: Callable[[Plan], None] | None 
 
     def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs, **kwargs):
         t0 = time.perf_counter()
+        folded = fold_kv_repeats(joint, n)
         candidates = propagate(joint, n, mesh.sp_mesh, options.attention, mesh.ulysses_size)
         choice = solve(joint, candidates, n, mem_weight=options.mem_weight)
         plan = build_plan(joint, choice, n)
+        plan = dataclasses.replace(plan, notes=(*folded, *plan.notes))
         _check_same_plan(plan, mesh)
         _debug("solve", joint, t0)
         t0 = time.perf_counter()

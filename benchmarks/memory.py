@@ -33,7 +33,7 @@ SYSTEMS = ["ulysses", "ulysses_ckpt", "autosp_none", "autosp_auto", "autosp_full
 PRESET = dict(dim=256, layers=4, heads=8, kv_heads=4, ffn=768, vocab=256)
 
 
-def measure_here(system: str, seq: int, sp: int, budget: int, compiler: str, steps: int) -> dict:
+def measure_here(system: str, seq: int, sp: int, budget: int, compiler: str, steps: int, attn: str = "sdpa") -> dict:
     """One measurement in this process (a fresh one, or one that measures nothing else at the
     same time: glibc must mmap large allocations, see ``measure``)."""
     import torch
@@ -50,7 +50,7 @@ def measure_here(system: str, seq: int, sp: int, budget: int, compiler: str, ste
         dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=sp)
     torch.manual_seed(0)
-    model = Llama(LlamaConfig(**PRESET))
+    model = Llama(LlamaConfig(**PRESET, attn=attn))
     ids = torch.randint(0, PRESET["vocab"], (1, seq))
     rec = {"system": system, "seq": seq, "sp": sp}
     with autosp.mesh(sp=sp):
@@ -94,7 +94,7 @@ def measure(system: str, seq: int, args) -> dict:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", OMP_NUM_THREADS="1",
                PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "benchmarks.memory", "--one", json.dumps(
-        [system, seq, args.sp, args.budget, args.compiler, args.steps])]
+        [system, seq, args.sp, args.budget, args.compiler, args.steps, args.attn])]
     out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
     if not lines:
@@ -134,11 +134,13 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--attn", default="sdpa", choices=["sdpa", "gqa"],
+                    help="the model's attention: K/V repeated to the query heads before SDPA (as Hugging Face's "
+                         "repeat_kv), or SDPA on the unrepeated K/V (enable_gqa), for every system")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
-        system, seq, sp, budget, compiler, steps = json.loads(args.one)
-        print(json.dumps(measure_here(system, seq, sp, budget, compiler, steps)), flush=True)
+        print(json.dumps(measure_here(*json.loads(args.one))), flush=True)
         return
     if args.quick:
         args.compiler, args.steps = "aot_eager", 2
@@ -151,13 +153,13 @@ def main(argv=None) -> None:
     # step time and peak at one length every system fits: the longest hand-written Ulysses fits
     common = min(v for v in longest_seq.values() if v) if any(longest_seq.values()) else args.start
     at_common = {s: measure(s, common, args) for s in systems}
-    summary = {"budget_bytes": args.budget, "sp": args.sp, "compiler": args.compiler, "preset": PRESET,
+    summary = {"budget_bytes": args.budget, "sp": args.sp, "compiler": args.compiler, "preset": PRESET, "attn": args.attn,
                "longest_seq": longest_seq, "common_seq": common, "at_common": at_common}
     machine = {"host": platform.node(), "cpu_count": os.cpu_count(), "python": platform.python_version()}
     (args.out / "results.json").write_text(json.dumps({"machine": machine, "summary": summary, "records": records},
                                                       indent=1))
     rows = [f"budget {args.budget / 2**20:.0f} MiB per rank, sp={args.sp} (one rank's share), {args.compiler}, "
-            f"model {PRESET}", "",
+            f"model {PRESET}, attention {args.attn}", "",
             "| system | longest seq under budget | x ulysses | x ulysses_ckpt | "
             f"step time at {common} (s) | peak at {common} (MiB) | predicted (MiB) | rung |",
             "|---|---|---|---|---|---|---|---|"]

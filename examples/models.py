@@ -54,8 +54,8 @@ def _rotate_half(x):
 
 
 def _causal_attention(q, k, v, kind: str):
-    if kind == "sdpa":
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if kind in ("sdpa", "gqa"):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kind == "gqa")
     t = q.shape[-2]
     mask = torch.full((t, t), float("-inf"), device=q.device, dtype=q.dtype).triu(1)
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) + mask
@@ -80,12 +80,10 @@ class LlamaAttention(nn.Module):
         cos, sin = cos[:, None], sin[:, None]
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        if c.attn == "gqa":
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            return self.o_proj(o.transpose(1, 2).reshape(b, t, c.heads * self.hd))
-        rep = c.heads // c.kv_heads
-        k = k[:, :, None].expand(b, c.kv_heads, rep, t, self.hd).reshape(b, c.heads, t, self.hd)
-        v = v[:, :, None].expand(b, c.kv_heads, rep, t, self.hd).reshape(b, c.heads, t, self.hd)
+        if c.attn != "gqa":
+            rep = c.heads // c.kv_heads
+            k = k[:, :, None].expand(b, c.kv_heads, rep, t, self.hd).reshape(b, c.heads, t, self.hd)
+            v = v[:, :, None].expand(b, c.kv_heads, rep, t, self.hd).reshape(b, c.heads, t, self.hd)
         o = _causal_attention(q, k, v, c.attn)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, c.heads * self.hd))
 

@@ -50,7 +50,7 @@ def _attention(attn, x, cos, sin, group, n):
         v = v.repeat_interleave(c.heads // c.kv_heads, dim=2)
     q, k, v = (_seq_to_heads(z, group, n).transpose(1, 2) for z in (q, k, v))
     rep = q.shape[1] // k.shape[1]
-    if rep > 1:
+    if rep > 1 and c.attn != "gqa":
         k, v = (z.repeat_interleave(rep, dim=1) for z in (k, v))
     o = _causal_attention(q, k, v, c.attn).transpose(1, 2)
     o = _heads_to_seq(o, group, n)

@@ -69,7 +69,8 @@ def _summed(grad: fx.Node, rep: int) -> fx.Node | None:
     """The end of the repeat's gradient chain view(B, KV, rep, S, D) -> sum(2, keepdim) -> squeeze(2)
     hanging alone off ``grad``, or None."""
     chain = [grad]
-    for ok in (lambda n: n.target in _VIEWS and len(out_vals(n)[0].shape) == 5 and out_vals(n)[0].shape[2] == rep,
+    for ok in (lambda n: n.target in _VIEWS and out_vals(n)[0] is not None and out_vals(n)[0].ndim == 5
+               and out_vals(n)[0].shape[2] == rep,
                lambda n: (n.target is aten.sum.dim_IntList and [a % 5 for a in n.args[1]] == [2]
                           and len(n.args) > 2 and n.args[2]),
                lambda n: n.target is aten.squeeze.dim and _dim(n, 1, 5) == 2):

@@ -97,33 +97,34 @@ def fold_kv_repeats(gm: fx.GraphModule, n: int) -> list[str]:
         if set(k.users) != {fwd, *bwds} or set(v.users) != {fwd, *bwds}:
             continue
         fwd.args = (fwd.args[0], ks, vs, *fwd.args[3:])
+        kept = 0
         for bwd in bwds:
-            outs = {u.args[1]: u for u in bwd.users if u.target is operator.getitem}
-            ends = {i: _summed(outs[i], rep) if i in outs else outs.get(i) for i in (1, 2)}
-            if any(i in outs and ends[i] is None for i in (1, 2)):
-                continue  # the backward keeps the repeated K/V
+            outs = {u.args[1]: u for u in bwd.users if u.target is operator.getitem and u.args[1] in (1, 2)}
+            ends = {i: _summed(out, rep) for i, out in outs.items()}
+            if None in ends.values():
+                kept += 1  # this backward keeps the repeated K/V
+                continue
             bwd.args = (*bwd.args[:2], ks, vs, *bwd.args[4:])
             # the kernel's outputs on the fake inputs (fake tensors dispatch to their own mode)
-            fake = lambda a: out_vals(a)[0] if isinstance(a, fx.Node) else a
-            vals = bwd.target(*map(fake, bwd.args), **{key: fake(a) for key, a in bwd.kwargs.items()})
-            bwd.meta["val"] = vals
-            for i in (1, 2):
-                if i in outs:
-                    outs[i].meta["val"] = vals[i]
-                    end = ends[i]
-                    end.replace_all_uses_with(outs[i])
-                    while end is not outs[i]:
-                        prev = end.args[0]
-                        g.erase_node(end)
-                        end = prev
-        for x in (k, v):
+            fake = lambda a: out_vals(a)[0] if isinstance(a, fx.Node) else a  # noqa: E731
+            bwd.meta["val"] = vals = bwd.target(*map(fake, bwd.args), **{key: fake(a) for key, a in bwd.kwargs.items()})
+            for i, end in ends.items():
+                outs[i].meta["val"] = vals[i]
+                end.replace_all_uses_with(outs[i])
+                while end is not outs[i]:
+                    prev = end.args[0]
+                    g.erase_node(end)
+                    end = prev
+        for x in dict.fromkeys((k, v)):
             while not x.users and x.op == "call_function":
                 prev = x.args[0]
                 g.erase_node(x)
                 x = prev
         notes.append(f"attention at {source_line(fwd)}: K/V repeated {rep}x before it are handed to the kernel "
-                     f"unrepeated (grouped-query attention, {out_vals(ks)[0].shape[1]} K/V heads): the repeated "
-                     "K/V and their gradients are never built")
+                     f"unrepeated (grouped-query attention, {out_vals(ks)[0].shape[1]} K/V heads): the repeated K/V "
+                     + ("and their gradients are never built" if not kept else
+                        "are not built in the forward; the backward rebuilds them (its gradient chain is not the "
+                        "repeat's mirror)"))
     if notes:
         g.lint()
         gm.recompile()

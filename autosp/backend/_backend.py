@@ -91,7 +91,12 @@ def _compiler(name: str) -> Callable:
             # per-rank graph (collectives included) before lowering
             with detect_fake_mode(example_inputs) or contextlib.nullcontext():
                 gm = make_fx(gm, decomposition_table=select_decomp_table())(*example_inputs)
-            return compile_fx_inner(gm, example_inputs)
+            # autosp's graphs are already in the order its memory plan assumes (tiles one at a
+            # time, recomputation before its use). Inductor's peak-memory reordering (torch 2.13)
+            # undid that: the tiled "full" rung at 8192 tokens over 2 measured 162.7 MiB with it
+            # and 107.5 MiB without (102.4 MiB predicted), step times within 3%.
+            with torch._inductor.config.patch(reorder_for_peak_memory=False):
+                return compile_fx_inner(gm, example_inputs)
         return inductor
     raise ValueError(f"autosp: unknown compiler {name!r}; use 'inductor' or 'aot_eager'")
 

@@ -4,10 +4,11 @@ Every op's outputs are allocated when it runs and freed after their last use, un
 an input (views, ``wait_tensor``) or leave the graph. What the forward hands the backward (the
 saved activations) is live from the end of the forward; in the backward it is freed after its
 last use (both compilers autosp runs free a boxed input after its last use). Measured against
-peak RSS (tests/memory_probe.py, small preset, aot_eager): 1.01 with "none" and with "full"
-tiled in 4 at 4096 tokens over 2; 1.05-1.06 tiled in 8 at 8192 over 2 and 16384 over 4, where
+peak RSS (tests/memory_probe.py, small preset, aot_eager): 1.01-1.03 with "none", 1.07 with "full"
+tiled in 4 at 4096 tokens over 2, 1.10-1.14 tiled in 8 at 8192 over 2 and 16384 over 4, where
 RSS growth under-counts live tensors by ~10 MiB (an RSS trace per backward op peaks at the same op
-as the prediction); Inductor, "full" at 8192 over 2: 0.86 (session 3; unexplained). The backward's outputs
+as the prediction); Inductor (its peak-memory reordering off, ``_backend``): 0.94-1.02 with "none"
+and "full" at 8192 over 2 and 16384 over 4. The backward's outputs
 (parameter gradients) stay. Sizes come from the fake tensors on the nodes, so the walk runs on
 graphs traced at any size without allocating anything. Workspace inside an op (a matmul's
 packing buffers, attention's blocks) is not seen, except ring attention's (``RING_WORKSPACE``,

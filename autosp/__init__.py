@@ -5,10 +5,10 @@
         def loss_fn(input_ids, labels):
             return model(input_ids=input_ids, labels=labels).loss
 """
-from ._plan import Collective, Plan
-from .annotations import Config, GraphBreakError, Mesh, annotate, current_mesh, explain, load_config, mesh, shard
-from .errors import PlanError, UnsupportedOpError
+from .annotations import Config, Mesh, annotate, current_mesh, explain, load_config, mesh, shard
+from .backend import Collective, Options, Plan
+from .errors import GraphBreakError, PlanError, UnsupportedOpError
 
-__all__ = ["mesh", "shard", "annotate", "explain", "current_mesh", "load_config", "Config", "Mesh", "Plan", "Collective",
-           "PlanError", "UnsupportedOpError", "GraphBreakError"]
+__all__ = ["mesh", "shard", "annotate", "explain", "current_mesh", "load_config", "Config", "Mesh", "Options", "Plan",
+           "Collective", "PlanError", "UnsupportedOpError", "GraphBreakError"]
 __version__ = "0.1.0"

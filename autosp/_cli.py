@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .propagate._solver import ATTENTION_KERNELS
+from ._context import ATTENTION_CHOICES
 
 __all__ = ["main", "PRESETS", "PlanFit", "trace_plan", "max_sequence"]
 
@@ -95,13 +95,11 @@ def trace_plan(cfg: dict, *, layers: int, seq: int, batch: int, sp: int, dtype: 
     """``autosp.explain`` of one training step of the model cut to ``layers`` layers, with every
     rung of the checkpointing ladder evaluated."""
     import autosp
-    from .annotations._shard import _Sharded
-    from .backend._backend import Options
     # uninitialised CPU storage: tracing reads shapes only, so the pages are never touched
     model = _build_meta(cfg, dtype, layers).to_empty(device="cpu").train()
     ids = torch.zeros(batch, seq, dtype=torch.long)
-    step = _Sharded(lambda input_ids, labels: model(input_ids=input_ids, labels=labels).loss, True,
-                    Options(compiler="aot_eager", checkpoint=policy, every_rung=True, attention=attention))
+    step = autosp.shard(lambda input_ids, labels: model(input_ids=input_ids, labels=labels).loss,
+                        compiler="aot_eager", checkpoint=policy, every_rung=True, attention=attention)
     with autosp.mesh(sp=sp, ulysses=ulysses):
         return autosp.explain(step, ids, ids)
 
@@ -145,20 +143,16 @@ class PlanFit:
         return at[s1] + (at[s2] - at[s1]) * (seq - s1) / (s2 - s1)
 
     def rungs(self, seq: int):
-        from .partition._checkpoint import Rung
-        from .partition._memory import MemoryEstimate
-        # rungs are matched by name; the tiled rung's tile count follows the length (a trace too
-        # short to tile has no such rung: the fit then goes without it)
-        def key(name: str) -> str:
-            return re.sub(r"^(full(?: \+ loss)?), \d+ tiles$", r"\1, tiles", name)
-
+        from .partition import MemoryEstimate, Rung
+        # rungs are matched by what they recompute; the tiled rung's tile count follows the length
+        # (a trace too short to tile has no such rung: the fit then goes without it)
         traces = [self.plans[(k, s)] for k in (1, 2) for s in self.seqs]
-        common = [key(r.name) for r in traces[0].checkpoint.rungs]
+        common = [r.spec.key for r in traces[0].checkpoint.rungs]
         for p in traces[1:]:
-            common = [k for k in common if k in {key(r.name) for r in p.checkpoint.rungs}]
+            common = [k for k in common if k in {r.spec.key for r in p.checkpoint.rungs}]
         out = []
         for name in common:
-            rung = lambda p, name=name: next(r for r in p.checkpoint.rungs if key(r.name) == name)  # noqa: E731
+            rung = lambda p, name=name: next(r for r in p.checkpoint.rungs if r.spec.key == name)  # noqa: E731
             r = rung(self.plans[(1, self.seqs[0])])
             params, grads, saved, fw, bw = (int(self._value(lambda p, f=f: getattr(rung(p).memory, f), seq))
                                             for f in ("params", "grads", "saved", "forward_peak", "backward_peak"))
@@ -167,7 +161,7 @@ class PlanFit:
             mem = MemoryEstimate(params, grads, saved, fw, max(bw, saved + grads))
             attention = self._value(lambda p: rung(p).attention, seq, quadratic=True)
             step = self._value(lambda p: rung(p).step - rung(p).attention, seq) + attention
-            out.append(Rung(r.name, mem, self._value(lambda p: rung(p).recompute, seq), step, attention))
+            out.append(Rung(r.spec, mem, self._value(lambda p: rung(p).recompute, seq), step, attention))
         return out
 
     def at(self, seq: int, policy: str) -> Traced:
@@ -233,7 +227,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
     p.add_argument("--optimizer", default="adamw", choices=sorted(_OPTIMIZER_STATE))
     p.add_argument("--checkpoint", default=",".join(_POLICIES), help="comma-separated: none, auto, full")
-    p.add_argument("--attention", default="auto", choices=list(ATTENTION_KERNELS),
+    p.add_argument("--attention", default="auto", choices=list(ATTENTION_CHOICES),
                    help="attention kernel: chosen by cost (auto) or forced")
     p.add_argument("--ulysses", type=int, default=None,
                    help="a 2D sp mesh: sub-groups of this many ranks (hybrid attention: Ulysses within, ring across)")

@@ -5,7 +5,9 @@ import os
 
 import torch.fx as fx
 
-__all__ = ["PlanError", "UnsupportedOpError", "source_line"]
+from ._graph import out_vals
+
+__all__ = ["PlanError", "UnsupportedOpError", "GraphBreakError", "source_line"]
 
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
@@ -14,10 +16,16 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 def source_line(node: fx.Node | None) -> str:
     """The innermost user frame (outside autosp) of the node's stack trace: 'file.py:12, in fn: code'."""
     trace = (node.meta.get("stack_trace") or "") if node is not None else ""
-    lines = [l.strip() for l in trace.strip().splitlines() if l.strip()]
-    frames = [i for i, l in enumerate(lines) if l.startswith("File ") and _PACKAGE not in l]
+    return user_frame(trace, _PACKAGE) or "<no source line recorded>"
+
+
+def user_frame(trace: str, package: str = _PACKAGE) -> str:
+    """'file.py:12, in fn: code' for the innermost frame of a printed traceback that is not in
+    ``package``; "" when there is none."""
+    lines = [line.strip() for line in trace.strip().splitlines() if line.strip()]
+    frames = [i for i, line in enumerate(lines) if line.startswith("File ") and package not in line]
     if not frames:
-        return "<no source line recorded>"
+        return ""
     i = frames[-1]
     where = lines[i].replace("File ", "").replace('"', "").replace(", line ", ":")
     code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
@@ -27,7 +35,6 @@ def source_line(node: fx.Node | None) -> str:
 def _describe(node: fx.Node | None) -> str:
     if node is None:
         return ""
-    from .propagate._rules import out_vals
     shapes = [tuple(v.shape) for v in out_vals(node) if v is not None]
     return f"{node.target} (node {node.name}, output shape {shapes[0] if len(shapes) == 1 else shapes}) at {source_line(node)}"
 
@@ -43,3 +50,7 @@ class PlanError(ValueError):
 
 class UnsupportedOpError(PlanError, NotImplementedError):
     """No sharding rule (ours or DTensor's) for an op that sees sharded data."""
+
+
+class GraphBreakError(PlanError):
+    """The step cannot be captured as one graph."""

@@ -164,9 +164,8 @@ def redistribute_roundtrip(shape: list[int], src: str, dst: str, seed: int) -> f
     """Max abs error of redistribute(src -> dst) on a random global tensor, against cutting the
     global tensor for dst directly with torch.tensor_split (the balanced split autosp uses, uneven
     when n does not divide a block); Partial sources: random parts that sum to it."""
-    from autosp.annotations._spec import parse_placement
     from autosp.partition._collectives import redistribute
-    from autosp.propagate._placement import shard_spec
+    from autosp.propagate._placement import parse_placement, shard_spec
     n, r = dist.get_world_size(), dist.get_rank()
     g = torch.Generator().manual_seed(seed)
     full = torch.randn(shape, generator=g, dtype=torch.float64)
@@ -506,10 +505,11 @@ def gqa_op_exactness(L: int) -> dict:
 def largest_peaks() -> list[int]:
     """The budget decision's exchange: each rank offers its own rung peaks (rank-dependent, as
     with uneven shards); every rank must get the same per-rung maxima."""
-    from autosp.backend._backend import _largest_peaks
+    from autosp.backend import Options, SpContext
+    from autosp.backend._checks import largest_peaks
     with autosp.mesh() as m:
         r = dist.get_rank()
-        return _largest_peaks(m)([100 + r, 50 - r, 10 * (r + 1)])
+        return largest_peaks(SpContext.of(m, Options()))([100 + r, 50 - r, 10 * (r + 1)])
 
 
 def _document_mask(S: int, dtype: torch.dtype) -> torch.Tensor:
@@ -530,7 +530,8 @@ def ring_kernel(S: int, causal: bool, dtype: torch.dtype = torch.float64, heads:
     gradient) against the CPU attention kernel on the whole sequence: the largest error of the
     output, log-sum-exp and the three gradients, relative, and the gloo collectives that ran.
     ``mask``: a document mask (``_document_mask``) instead of ``causal``."""
-    from autosp.partition._attention import _bounds, ring_attention, ring_attention_backward, ring_bytes
+    from autosp.partition._attention import ring_attention, ring_attention_backward
+    from autosp.propagate._attention import bounds as _bounds, ring_bytes
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
     g = torch.Generator().manual_seed(S)
@@ -561,7 +562,8 @@ def schedule_mismatch() -> str:
     fake tensors, so nothing runs): the schedule check must refuse them on every rank."""
     import torch.distributed._functional_collectives as funcol
     from torch.fx.experimental.proxy_tensor import make_fx
-    from autosp.backend._backend import _check_same_schedule
+    from autosp.backend import Options, SpContext
+    from autosp.backend._checks import check_same_schedule
     with autosp.mesh() as m:
         def f(x):
             for _ in range(1 + dist.get_rank()):
@@ -569,7 +571,7 @@ def schedule_mismatch() -> str:
             return x * 1
         gm = make_fx(f, tracing_mode="fake")(torch.ones(2))
         try:
-            _check_same_schedule(gm, gm, m)
+            check_same_schedule(gm, gm, SpContext.of(m, Options()))
         except autosp.PlanError as e:
             return str(e)
     return ""
@@ -579,7 +581,8 @@ def hybrid_kernel(S: int, causal: bool, heads: tuple[int, int] = (4, 2), u: int 
     """Hybrid attention's forward and backward (Ulysses within sub-groups of ``u`` ranks, ring
     across) on this rank's chunks, against the CPU kernel on the whole sequence (fp64): the
     largest relative error, the gloo bytes sent and ``hybrid_bytes``' charge."""
-    from autosp.partition._attention import _bounds, hybrid_attention, hybrid_attention_backward, hybrid_bytes
+    from autosp.partition._attention import hybrid_attention, hybrid_attention_backward
+    from autosp.propagate._attention import bounds as _bounds, hybrid_bytes
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
     g = torch.Generator().manual_seed(S)

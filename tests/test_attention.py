@@ -40,11 +40,11 @@ def test_ring_attention_grouped_heads_fp32(pools):
 
 
 def _pairs(S, n, rank, causal):
-    from autosp.partition._attention import _blocks, _bounds, _ranges
+    from autosp.propagate._attention import blocks, bounds, ranges
     total = 0
-    for qa, qb in _ranges(S, n, rank, causal):
-        for ka, kb in _bounds(S, n):
-            for a, b, c in _blocks(qa, qb, ka, kb, causal):
+    for qa, qb in ranges(S, n, rank, causal):
+        for ka, kb in bounds(S, n):
+            for a, b, c in blocks(qa, qb, ka, kb, causal):
                 total += (qb - qa) * (qb - qa + 1) // 2 if c else (qb - qa) * (b - a)
     return total
 

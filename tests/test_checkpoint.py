@@ -61,15 +61,12 @@ def test_sequence_tiling_matches_single_device(pools, kind, b, L):
 
 
 def _rungs(fake_world, checkpoint, seq=4096, sp=2, every_rung=False):
-    from autosp.annotations._shard import _Sharded
-    from autosp.backend._backend import Options
     fake_world(sp)
     torch.manual_seed(0)
     model = Llama(LlamaConfig(**SMALL))
     ids = torch.randint(0, 256, (1, seq))
     with autosp.mesh(sp=sp):
-        step = _Sharded(lambda i, l: model(i, l), True, Options(compiler="aot_eager", checkpoint=checkpoint,
-                                                                every_rung=every_rung))
+        step = autosp.shard(lambda i, l: model(i, l), compiler="aot_eager", checkpoint=checkpoint, every_rung=every_rung)
         return autosp.explain(step, ids, ids)
 
 
@@ -193,7 +190,7 @@ def test_ring_attention_workspace_is_in_the_predicted_peak():
     (``RING_WORKSPACE``, in units of the local query) is added while it runs."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from autosp.partition._attention import ring_attention_op
+    from autosp.partition._attention import RING, ring_attention_op
     from autosp.partition._memory import RING_WORKSPACE, graph_peak
 
     def attention(q, k, v):
@@ -205,4 +202,4 @@ def test_ring_attention_workspace_is_in_the_predicted_peak():
     peak, _ = graph_peak(gm, inputs)
     qb = q.numel() * 4
     out_and_lse = qb + 4 * 32 * 4
-    assert peak == 3 * qb + out_and_lse + RING_WORKSPACE["autosp::ring_attention"] * qb
+    assert peak == 3 * qb + out_and_lse + RING_WORKSPACE[RING] * qb

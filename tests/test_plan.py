@@ -117,7 +117,7 @@ def test_heads_that_cannot_split_run_ring_attention_by_default(fake_world):
     and runs attention as a ring (no all-to-all, no gather: whole K/V are never held on a rank);
     one ring row per attention op and pass, charged the bytes of the kernel's schedule, and
     ``explain`` says so."""
-    from autosp.partition._attention import ring_bytes
+    from autosp.propagate import ring_bytes
     fake_world(4)
     model, plan = _plan(4, 2, 1, 64, "sdpa")
     kinds = Counter((c.kind, c.backward) for c in plan.collectives)
@@ -147,7 +147,7 @@ def test_two_dim_sp_mesh_runs_hybrid_attention_where_heads_split_over_a_sub_grou
     attention runs hybrid (all-to-alls within the sub-groups, a ring across them: fewer bytes than
     the ring over 4); 8 heads still run as Ulysses over all 4; forcing "hybrid" without a 2D mesh
     is an error, as is a sub-group size that does not divide sp."""
-    from autosp.partition._attention import hybrid_bytes, ring_bytes
+    from autosp.propagate import hybrid_bytes, ring_bytes
     fake_world(4)
     _, plan = _plan(4, 2, 1, 64, "sdpa", ulysses=2)
     kinds = Counter((c.kind, c.backward) for c in plan.collectives)

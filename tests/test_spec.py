@@ -3,8 +3,8 @@ import pytest
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from autosp.annotations._spec import parse_placement, parse_spec, placement_str
-from autosp.propagate._placement import local_shape, redistribute_kind, shard, transfer_bytes
+from autosp.annotations._spec import parse_spec
+from autosp.propagate._placement import local_shape, parse_placement, placement_str, redistribute_kind, shard, transfer_bytes
 from autosp.propagate._rules import _locate, _view_groups
 
 

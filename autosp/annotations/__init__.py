@@ -1,7 +1,7 @@
-"""User-facing annotations: the mesh, ``shard``, ``annotate`` and their specs."""
+"""User-facing annotations: the mesh, ``shard``, ``annotate``, ``explain`` and the YAML config."""
 from ._config import Config, load_config
 from ._mesh import Mesh, current_mesh, mesh
-from ._shard import GraphBreakError, explain, shard
+from ._shard import explain, shard
 from ._spec import annotate, parse_spec
 
-__all__ = ["Config", "load_config", "Mesh", "mesh", "current_mesh", "shard", "explain", "annotate", "parse_spec", "GraphBreakError"]
+__all__ = ["Config", "load_config", "Mesh", "mesh", "current_mesh", "shard", "explain", "annotate", "parse_spec"]

@@ -5,16 +5,21 @@
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from .._context import Options
+from ._mesh import mesh
+
 __all__ = ["Config", "load_config"]
 
-_MESH_KEYS = {"sp", "dp", "ulysses", "backend", "timeout_s"}
-_SHARD_KEYS = {"seq", "compiler", "mem_weight", "checkpoint", "attention"}
+# the keywords of autosp.mesh and autosp.shard: the options, and which inputs are sharded
+_MESH_KEYS = set(inspect.signature(mesh).parameters)
+_SHARD_KEYS = {"seq", *Options.keys()}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

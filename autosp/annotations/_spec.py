@@ -1,37 +1,18 @@
-"""Sharding specs: the einops-style grammar ("b s@sp d"), DTensor placements, and the
-``autosp::annotate`` op that carries a spec into the captured graph."""
+"""Sharding specs: the einops-style grammar ("b s@sp d") and ``autosp.annotate``, which carries a
+spec into the captured graph (as ``autosp::annotate``, ``propagate._annotate``)."""
 from __future__ import annotations
 
-import re
 from typing import Sequence
 
 import torch
-from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["parse_spec", "parse_placement", "placement_str", "annotate"]
+from ..propagate._annotate import annotate_placement
+
+__all__ = ["parse_spec", "annotate"]
 
 _AXIS = "sp"
-
-
-def placement_str(p: Placement) -> str:
-    """DTensor's short form, the one string form autosp stores in graphs: S(1), _S(0, 2), R, P(sum)."""
-    return str(p)
-
-
-def parse_placement(s: str) -> Placement:
-    s = s.replace(" ", "")
-    if s == "R":
-        return Replicate()
-    if s.startswith("P"):
-        return Partial()
-    m = re.fullmatch(r"S\((\d+)\)", s)
-    if m:
-        return Shard(int(m.group(1)))
-    m = re.fullmatch(r"_S\((\d+),(\d+)\)", s)
-    if m:
-        return _StridedShard(int(m.group(1)), split_factor=int(m.group(2)))
-    raise ValueError(f"autosp: cannot parse placement {s!r}; expected R, P, S(d) or _S(d, sf)")
 
 
 def parse_spec(spec: str | Placement | Sequence[Placement], ndim: int) -> Placement:
@@ -65,28 +46,6 @@ def parse_spec(spec: str | Placement | Sequence[Placement], ndim: int) -> Placem
     return Shard(sharded[0]) if sharded else Replicate()
 
 
-@torch.library.custom_op("autosp::annotate", mutates_args=())
-def _annotate_op(x: torch.Tensor, placement: str, hard: bool) -> torch.Tensor:
-    return x.clone()
-
-
-@_annotate_op.register_fake
-def _(x, placement, hard):
-    return torch.empty_like(x)
-
-
-def _setup(ctx, inputs, output):
-    ctx.placement, ctx.hard = inputs[1], inputs[2]
-
-
-def _backward(ctx, grad):
-    # JAX's with_sharding_constraint transposes to the same constraint on the cotangent.
-    return torch.ops.autosp.annotate(grad, ctx.placement, ctx.hard), None, None
-
-
-_annotate_op.register_autograd(_backward, setup_context=_setup)
-
-
 def annotate(x: torch.Tensor, spec, *, hard: bool = True) -> torch.Tensor:
     """Constrain the placement of ``x`` on the sp axis (JAX's ``with_sharding_constraint``).
 
@@ -94,5 +53,4 @@ def annotate(x: torch.Tensor, spec, *, hard: bool = True) -> torch.Tensor:
     returns a copy of ``x``. With ``hard=False`` the spec is a permission, not a constraint: the
     planner may keep ``x`` replicated (how ``autosp.shard`` marks its inputs).
     """
-    p = parse_spec(spec, x.ndim)
-    return torch.ops.autosp.annotate(x, placement_str(p), hard)
+    return annotate_placement(x, parse_spec(spec, x.ndim), hard)

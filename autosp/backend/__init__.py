@@ -1,4 +1,8 @@
-"""The torch.compile backend that runs the autosp passes."""
-from ._backend import Options, make_backend
+"""The torch.compile backend that runs the autosp passes, the plan it reports, and the runtime of
+a sharded step."""
+from .._context import Options, SpContext
+from ._backend import make_backend
+from ._plan import Collective, Plan
+from ._step import ShardedStep
 
-__all__ = ["Options", "make_backend"]
+__all__ = ["Options", "SpContext", "make_backend", "Collective", "Plan", "ShardedStep"]

@@ -1,5 +1,12 @@
-"""Partitioning: the per-rank graph and the collectives on its edges."""
+"""Partitioning: the per-rank graph, the collectives on its edges, its tiling along the sequence,
+the checkpointing decision and the memory it predicts."""
+from ._checkpoint import Checkpoint, Rung, RungSpec, checkpoint_partition
 from ._collectives import redistribute
+from ._fsdp import fsdp_notes, gathers_at_first_use
+from ._gqa import fold_kv_repeats
 from ._localize import localize
+from ._memory import MemoryEstimate
+from ._tiling import Tiling, plan_tiles
 
-__all__ = ["localize", "redistribute"]
+__all__ = ["Checkpoint", "Rung", "RungSpec", "checkpoint_partition", "redistribute", "fsdp_notes",
+           "gathers_at_first_use", "fold_kv_repeats", "localize", "MemoryEstimate", "Tiling", "plan_tiles"]

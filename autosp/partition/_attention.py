@@ -1,4 +1,6 @@
-"""Attention with the query sequence-sharded: for heads that cannot be split over the ranks.
+"""Attention kernels with the query sequence-sharded, for heads that cannot be split over the
+ranks, and the per-rank calls of the attention ops the plan runs that way (``SEQUENCE_KERNELS``).
+Their rules, the ring's schedule and what each sends are in ``propagate._attention``.
 
 Three per-rank kernels, all exact. The first runs against gathered K/V (the plan all-gathers them):
 
@@ -25,19 +27,24 @@ on those heads, and all-to-alls turn the result back.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import torch.distributed._functional_collectives as funcol
-
 from torch.distributed.tensor import Shard
 
+from torch.fx.operator_schemas import normalize_function
+
+from .._context import Kernel
+from .._graph import ATTENTION_OPS, is_attention_backward, out_vals
+from ..propagate._attention import acc_dtype, blocks, halves, kv_sends, zigzag, zigzag_owner
+from ..propagate._attention import bounds as chunk_bounds, ranges as query_ranges
 from ..propagate._placement import chunks
-from ._collectives import _offsets, redistribute
+from ._collectives import redistribute
 
 __all__ = ["kv_gathered_attention", "kv_gathered_attention_backward", "ring_attention", "ring_attention_backward",
-           "ring_bytes", "hybrid_attention", "hybrid_attention_backward", "hybrid_bytes"]
+           "hybrid_attention", "hybrid_attention_backward", "ring_attention_op", "ring_attention_backward_op",
+           "RING", "RING_BACKWARD", "SEQUENCE_KERNELS"]
 
 aten = torch.ops.aten
 
@@ -53,7 +60,7 @@ def kv_gathered_attention(q, k, v, start: int, is_causal: bool, scale=None, attn
         return tuple(aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, False, attn_mask=_rows(attn_mask, start, start + sq), scale=scale)[:2])
     outs = [aten._scaled_dot_product_flash_attention_for_cpu(q, k[:, :, a:b], v[:, :, a:b], 0.0, c, scale=scale)[:2]
-            for a, b, c in _blocks(start, start + sq, 0, k.shape[2], is_causal)]
+            for a, b, c in blocks(start, start + sq, 0, k.shape[2], is_causal)]
     if len(outs) == 1:
         return outs[0]
     lse = torch.logaddexp(outs[0][1], outs[1][1])
@@ -73,7 +80,7 @@ def kv_gathered_attention_backward(grad_out, q, k, v, out, lse, start: int, is_c
     if attn_mask is not None:
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k, v, out, lse, 0.0, False, attn_mask=_rows(attn_mask, start, start + q.shape[2]), scale=scale)
-    for a, b, c in _blocks(start, start + q.shape[2], 0, k.shape[2], is_causal):
+    for a, b, c in blocks(start, start + q.shape[2], 0, k.shape[2], is_causal):
         gq, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k[:, :, a:b], v[:, :, a:b], out, lse, 0.0, c, scale=scale)
         dq = dq + gq
@@ -84,49 +91,6 @@ def kv_gathered_attention_backward(grad_out, q, k, v, out, lse, start: int, is_c
 
 # ---------------------------------------------------------------------------------------------
 # ring attention
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    """The dtype partial results are merged in: fp32 at least (as the kernels accumulate)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _bounds(S: int, n: int) -> list[tuple[int, int]]:
-    """(start, end) of each rank's contiguous chunk of a sequence of S."""
-    cs = chunks(S, n)
-    return [(o, o + c) for o, c in zip(_offsets(cs), cs)]
-
-
-def _halves(S: int, n: int) -> list[tuple[int, int]]:
-    """(start, end) of the 2n half-chunks: rank r's contiguous chunk is halves 2r and 2r + 1."""
-    out = []
-    for a, b in _bounds(S, n):
-        h = chunks(b - a, 2)[0]
-        out += [(a, a + h), (a + h, b)]
-    return out
-
-
-def _zigzag(r: int, n: int) -> tuple[int, int]:
-    """The query half-chunks rank r runs under a causal mask."""
-    return r, 2 * n - 1 - r
-
-
-def _zigzag_owner(h: int, n: int) -> int:
-    return h if h < n else 2 * n - 1 - h
-
-
-def _blocks(qa: int, qb: int, ka: int, kb: int, causal: bool) -> list[tuple[int, int, bool]]:
-    """(first key, last key + 1, causal) of the kernel calls for queries ``qa..qb`` against keys
-    ``ka..kb``. Query and key chunks come from the same split, so under a causal mask the keys
-    are all before the queries, all after, or around them (ka <= qa < qb <= kb)."""
-    if qa == qb or ka == kb:
-        return []
-    if not causal or kb <= qa:
-        return [(ka, kb, False)]
-    if ka >= qb:
-        return []
-    assert ka <= qa and qb <= kb, (qa, qb, ka, kb)
-    return ([(ka, qa, False)] if qa > ka else []) + [(qa, qb, True)]
-
 
 def _rows(x: torch.Tensor, a: int, b: int) -> torch.Tensor:
     return x.narrow(2, a, b - a)
@@ -173,11 +137,11 @@ def _move(ts: list[torch.Tensor], have: list[tuple[int, int, int]], want: list[t
 
 def _zigzag_moves(S: int, n: int, rank: int, back: bool):
     """(have, want) for ``_move``: this rank's contiguous halves to their zigzag ranks, or back."""
-    halves = _halves(S, n)
-    rows = [b - a for a, b in halves]
-    contiguous = [(h, _zigzag_owner(h, n), rows[h]) for h in (2 * rank, 2 * rank + 1)]
-    zigzag = [(h, h // 2, rows[h]) for h in _zigzag(rank, n)]
-    return (zigzag, contiguous) if back else (contiguous, zigzag)
+    hs = halves(S, n)
+    rows = [b - a for a, b in hs]
+    contiguous = [(h, zigzag_owner(h, n), rows[h]) for h in (2 * rank, 2 * rank + 1)]
+    zigzag_halves = [(h, h // 2, rows[h]) for h in zigzag(rank, n)]
+    return (zigzag_halves, contiguous) if back else (contiguous, zigzag_halves)
 
 
 def _by_dtype(ts: list, move) -> list:
@@ -222,32 +186,12 @@ def _tie(x: torch.Tensor, unused: torch.Tensor) -> torch.Tensor:
     return torch.cat([x.reshape(-1), unused.reshape(-1)[:0].to(x.dtype)]).view(x.shape)
 
 
-def _ranges(S: int, n: int, rank: int, causal: bool) -> list[tuple[int, int]]:
-    """The global query rows rank runs: its own chunk, or under a causal mask its zigzag halves."""
-    if not causal:
-        return [_bounds(S, n)[rank]]
-    halves = _halves(S, n)
-    return [halves[h] for h in _zigzag(rank, n)]
-
-
-def _uses(S: int, n: int, rank: int, j: int, causal: bool) -> bool:
-    """Whether rank's query rows see any key of chunk j."""
-    ka, kb = _bounds(S, n)[j]
-    return any(_blocks(qa, qb, ka, kb, causal) for qa, qb in _ranges(S, n, rank, causal))
-
-
-def _kv_sends(S: int, n: int, rank: int, t: int, causal: bool) -> bool:
-    """Whether rank sends its K/V chunk on at step t: always, but at the last pass only where the
-    next rank uses it (nothing is forwarded after that)."""
-    return t < n - 2 or _uses(S, n, (rank + 1) % n, (rank - t) % n, causal)
-
-
 def _next_kv(kc, vc, k, v, S: int, n: int, rank: int, t: int, group, causal: bool):
     """Step t's K/V pass: this rank's chunk to the next rank, the previous rank's to this one."""
-    bounds = _bounds(S, n)
+    bounds = chunk_bounds(S, n)
     src = (rank - t - 1) % n
     rows = bounds[src][1] - bounds[src][0]
-    send, recv = _kv_sends(S, n, rank, t, causal), _kv_sends(S, n, (rank - 1) % n, t, causal)
+    send, recv = kv_sends(S, n, rank, t, causal), kv_sends(S, n, (rank - 1) % n, t, causal)
     return _shift([kc, vc], [_chunk_shape(k, rows), _chunk_shape(v, rows)], n, rank, group, send, recv), recv
 
 
@@ -256,10 +200,10 @@ def _chunk_shape(x: torch.Tensor, rows: int) -> list[int]:
 
 
 def _query_segments(q_like: list[torch.Tensor], S: int, n: int, rank: int, group, causal: bool):
-    """(global row ranges, per-tensor segments) this rank runs (``_ranges``)."""
+    """(global row ranges, per-tensor segments) this rank runs (``query_ranges``)."""
     if not causal:
-        return _ranges(S, n, rank, causal), [[t] for t in q_like]
-    return _ranges(S, n, rank, causal), _to_zigzag(q_like, S, n, rank, group)
+        return query_ranges(S, n, rank, causal), [[t] for t in q_like]
+    return query_ranges(S, n, rank, causal), _to_zigzag(q_like, S, n, rank, group)
 
 
 def _block_mask(mask, qa: int, qb: int, a: int, b: int):
@@ -296,12 +240,12 @@ def ring_attention(q, k, v, *, S: int, rank: int, n: int, group, is_causal: bool
     """(out, logsumexp) of ``_scaled_dot_product_flash_attention_for_cpu`` for this rank's
     contiguous chunk of a sequence of ``S``, with q, k, v all sequence-sharded (and the mask, if
     any, whole: each block reads its rows and columns)."""
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     ranges, (qs,) = _query_segments([q], S, n, rank, group, is_causal)
     outs: list = [None] * len(qs)
     lses: list = [None] * len(qs)
     kc, vc = k, v
-    bounds = _bounds(S, n)
+    bounds = chunk_bounds(S, n)
     unused = None
     for t in range(n):
         j = (rank - t) % n
@@ -309,7 +253,7 @@ def ring_attention(q, k, v, *, S: int, rank: int, n: int, group, is_causal: bool
             nxt, used = _next_kv(kc, vc, k, v, S, n, rank, t, group, is_causal)
         ka, kb = bounds[j]
         for i, ((qa, qb), qt) in enumerate(zip(ranges, qs)):
-            for a, b, c in _blocks(qa, qb, ka, kb, is_causal):
+            for a, b, c in blocks(qa, qb, ka, kb, is_causal):
                 mask = _block_mask(attn_mask, qa, qb, a, b)
                 o, l = aten._scaled_dot_product_flash_attention_for_cpu(
                     qt, _rows(kc, a - ka, b - ka), _rows(vc, a - ka, b - ka), 0.0, c, attn_mask=mask, scale=scale)[:2]
@@ -337,10 +281,10 @@ def ring_attention_backward(grad_out, q, k, v, out, lse, *, S: int, rank: int, n
                             scale=None, attn_mask=None):
     """(grad q, grad k, grad v) of this rank's chunks: K/V travel the ring again, and behind them
     the accumulators of their gradients, which arrive home after the last step."""
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     ranges, (gos, qs, os_, ls) = _query_segments([grad_out, q, out, lse], S, n, rank, group, is_causal)
     dqs: list = [None] * len(qs)
-    bounds = _bounds(S, n)
+    bounds = chunk_bounds(S, n)
     kc, vc = k, v
     dkv, unused = None, None
     for t in range(n):
@@ -350,7 +294,7 @@ def ring_attention_backward(grad_out, q, k, v, out, lse, *, S: int, rank: int, n
         ka, kb = bounds[j]
         gk = gv = None
         for i, (qa, qb) in enumerate(ranges):
-            for a, b, c in _blocks(qa, qb, ka, kb, is_causal):
+            for a, b, c in blocks(qa, qb, ka, kb, is_causal):
                 d_q, d_k, d_v = aten._scaled_dot_product_flash_attention_for_cpu_backward(
                     gos[i], qs[i], _rows(kc, a - ka, b - ka), _rows(vc, a - ka, b - ka), os_[i], ls[i], 0.0, c,
                     attn_mask=_block_mask(attn_mask, qa, qb, a, b), scale=scale)
@@ -372,30 +316,6 @@ def ring_attention_backward(grad_out, q, k, v, out, lse, *, S: int, rank: int, n
     dqs = [x if x is not None else torch.zeros_like(qs[i], dtype=acc) for i, x in enumerate(dqs)]
     dq = torch.cat(dqs, dim=2).to(q.dtype)
     return (_from_zigzag([dq], S, n, rank, group)[0] if is_causal else dq), dk, dv
-
-
-def ring_bytes(q, k, v, n: int, causal: bool) -> tuple[float, float]:
-    """Bytes a rank sends (averaged over the ranks) in ring attention's forward and backward, for
-    q, k, v of global shapes, following the kernels' schedule: the K/V chunks n - 1 times each way,
-    the gradient accumulators n times (in the merge dtype), and under a causal mask the query-side
-    rows the zigzag moves to another rank (q in, out and log-sum-exp back; grad_out, q, out,
-    log-sum-exp in and grad q back)."""
-    return _ring_bytes(tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, n, causal)
-
-
-@functools.lru_cache(maxsize=1024)  # propagation asks once per rule call; the walk is O(n^2) in Python
-def _ring_bytes(q: tuple, k: tuple, v: tuple, dtype: torch.dtype, n: int, causal: bool) -> tuple[float, float]:
-    item, acc = dtype.itemsize, _acc(dtype).itemsize
-    S = q[2]
-    heads = q[0] * q[1]
-    kv_row = q[0] * (k[1] * k[3] + v[1] * v[3]) * item
-    q_row, o_row, l_row = heads * q[3] * item, heads * v[3] * item, heads * acc
-    rows = [b - a for a, b in _bounds(S, n)]
-    kv = sum(rows[(r - t) % n] * kv_row for r in range(n) for t in range(n - 1) if _kv_sends(S, n, r, t, causal))
-    moved = sum(b - a for h, (a, b) in enumerate(_halves(S, n)) if _zigzag_owner(h, n) != h // 2) if causal else 0
-    fwd = kv + moved * (q_row + o_row + l_row)
-    bwd = kv + n * S * kv_row * acc / item + moved * (2 * q_row + 2 * o_row + l_row)
-    return fwd / n, bwd / n
 
 
 # ---------------------------------------------------------------------------------------------
@@ -446,23 +366,6 @@ def hybrid_attention_backward(grad_out, q, k, v, out, lse, *, S: int, rank: int,
     return tuple(_heads_to_seq(x, u, i, inner) for x in (dq, dk, dv))
 
 
-def hybrid_bytes(q, k, v, n: int, u: int, causal: bool) -> tuple[float, float]:
-    """Bytes a rank sends (averaged) in hybrid attention's forward and backward: the all-to-alls
-    within the sub-group ((u - 1) / u of each tensor's local bytes: q, k, v, out and the
-    log-sum-exp forward; grad_out, q, k, v, out, log-sum-exp in and the three gradients back), and
-    ring attention over the n / u sub-groups on H / u heads."""
-    item, acc = q.element_size(), _acc(q.dtype).itemsize
-    B, H, S, D = q.shape
-    frac = (u - 1) / u / n
-    qb, kb, vb, ob, lb = (q.numel() * item, k.numel() * item, v.numel() * item, B * H * S * v.shape[3] * item,
-                          B * H * S * acc)
-    sub = lambda x: (x.shape[0], x.shape[1] // u, *x.shape[2:])  # noqa: E731
-    ring_fwd, ring_bwd = _ring_bytes(sub(q), sub(k), sub(v), q.dtype, n // u, causal)
-    fwd = frac * (qb + kb + vb + ob + lb) + ring_fwd
-    bwd = frac * (ob + qb + kb + vb + ob + lb + qb + kb + vb) + ring_bwd
-    return fwd, bwd
-
-
 # ---------------------------------------------------------------------------------------------
 # the per-rank graph's view of ring and hybrid attention: one opaque op each way. Unrolled into
 # the graph, a ring is hundreds of small ops per layer (compile time grew 40% on a 3-layer toy)
@@ -497,7 +400,7 @@ def ring_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 @ring_attention_op.register_fake
 def _(query, key, value, attn_mask, S, rank, n, group, is_causal, scale, u, inner):
     return (query.new_empty([*query.shape[:3], value.shape[3]]),
-            query.new_empty(query.shape[:3], dtype=_acc(query.dtype)))
+            query.new_empty(query.shape[:3], dtype=acc_dtype(query.dtype)))
 
 
 @torch.library.custom_op("autosp::ring_attention_backward", mutates_args=())
@@ -516,3 +419,38 @@ def ring_attention_backward_op(grad_out: torch.Tensor, query: torch.Tensor, key:
 @ring_attention_backward_op.register_fake
 def _(grad_out, query, key, value, out, logsumexp, attn_mask, S, rank, n, group, is_causal, scale, u, inner):
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+
+
+RING = torch.ops.autosp.ring_attention.default
+RING_BACKWARD = torch.ops.autosp.ring_attention_backward.default
+ATTENTION_OPS.update({RING: False, RING_BACKWARD: True})
+
+
+# ---------------------------------------------------------------------------------------------
+# the per-rank calls of attention ops planned with the query sequence-sharded
+
+_FORWARD_ARGS = ("query", "key", "value")
+_BACKWARD_ARGS = ("grad_out", "query", "key", "value", "out", "logsumexp")
+
+
+def _sequence_call(nd, s, target, args, kwargs, ctx):
+    """(kernel, args, kwargs) for an attention op on this rank's query rows: against gathered K/V
+    (the query's first row in the global sequence places its causal block), or as ring or hybrid
+    attention (one op each way, ``autosp::ring_attention``)."""
+    a = normalize_function(target, args, kwargs, normalize_to_only_use_kwargs=True).kwargs
+    backward = is_attention_backward(target)
+    S = out_vals(nd.args[1 if backward else 0])[0].shape[2]
+    common = dict(is_causal=bool(a["is_causal"]), scale=a["scale"], attn_mask=a["attn_mask"])
+    if s.kernel == Kernel.KV_GATHER:
+        common.update(start=sum(chunks(S, ctx.n)[:ctx.rank]))
+        fn = kv_gathered_attention_backward if backward else kv_gathered_attention
+    else:
+        u, inner, outer = (ctx.ulysses, ctx.inner, ctx.outer) if s.kernel == Kernel.HYBRID else (1, "", ctx.group)
+        common.update(S=S, rank=ctx.rank, n=ctx.n, group=outer, u=u, inner=inner)
+        fn = ring_attention_backward_op if backward else ring_attention_op
+    return fn, tuple(a[k] for k in (_BACKWARD_ARGS if backward else _FORWARD_ARGS)), common
+
+
+# kernel -> the per-rank call of an attention op the plan runs with it (Ulysses and the batch
+# split run the op itself, on its heads or sequences)
+SEQUENCE_KERNELS = {Kernel.KV_GATHER: _sequence_call, Kernel.RING: _sequence_call, Kernel.HYBRID: _sequence_call}

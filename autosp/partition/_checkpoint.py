@@ -39,14 +39,15 @@ from typing import Callable
 import torch
 import torch.fx as fx
 from torch._functorch import partitioners
-from torch.fx.operator_schemas import normalize_function
 from torch.utils.checkpoint import CheckpointPolicy
 
+from .._context import check_policy
+from .._graph import is_attention, is_attention_backward, op_args, out_bytes
 from ..errors import PlanError
 from ._fsdp import GATHER as _FSDP_GATHER, fsdp_tags
 from ._memory import MemoryEstimate, estimate_memory
 
-__all__ = ["Checkpoint", "Rung", "checkpoint_partition", "check_policy", "select"]
+__all__ = ["Checkpoint", "Rung", "RungSpec", "checkpoint_partition", "select"]
 
 # flops a CPU core does in the time it writes one byte of a pointwise op's output: 132.6 GFLOP/s
 # (4096x256 @ 256x768 fp32 matmul) against 7.4 GB/s (4096x768 multiply), one thread, this machine
@@ -62,17 +63,50 @@ aten = torch.ops.aten
 # "getattr(L['fsdp'].tops[0].blocks, '3')" (how Dynamo names it under a swapped-parameter call)
 _LAYER = re.compile(r"(?:\.\d+|\[\d+\]|, '\d+'\))$")
 
+Tags = dict[str, CheckpointPolicy]  # node name -> recompute tag
+
+
+@dataclass(frozen=True, slots=True)
+class RungSpec:
+    """What a rung recomputes: nothing (``kind`` "none"), the layer ops whose recompute costs at
+    most ``threshold`` flop-equivalents per byte kept ("threshold"), or every layer op ("full"),
+    with ``loss`` also the ops after the last layer; on a graph tiled in ``tiles`` along the
+    sequence (1: untiled)."""
+
+    kind: str
+    threshold: float | None = None
+    loss: bool = False
+    tiles: int = 1
+
+    @property
+    def name(self) -> str:
+        """'none', 'recompute <= 16 flop/B', 'full', 'full + loss, 8 tiles'."""
+        if self.kind == "threshold":
+            base = f"recompute <= {self.threshold:.3g} flop/B"
+        else:
+            base = "full + loss" if self.loss else self.kind
+        return base + (f", {self.tiles} tiles" if self.tiles > 1 else "")
+
+    @property
+    def key(self) -> tuple:
+        """The same rung at another length (whose tile count may differ)."""
+        return self.kind, self.threshold, self.loss, self.tiles > 1
+
 
 @dataclass(frozen=True, slots=True)
 class Rung:
     """One candidate: its predicted memory, and the estimated cost (flop-equivalents) of what its
     backward recomputes against the cost of the whole step without recomputation."""
 
-    name: str
+    spec: RungSpec
     memory: MemoryEstimate
     recompute: float
     step: float
     attention: float = 0.0  # the part of ``step`` spent in attention (quadratic in the sequence)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
 
     @property
     def overhead(self) -> float:
@@ -85,9 +119,16 @@ class Checkpoint:
     every rung evaluated."""
 
     policy: str
-    chosen: str
-    memory: MemoryEstimate
+    rung: Rung
     rungs: tuple[Rung, ...]
+
+    @property
+    def chosen(self) -> str:
+        return self.rung.name
+
+    @property
+    def memory(self) -> MemoryEstimate:
+        return self.rung.memory
 
     def __str__(self) -> str:
         rows = ", ".join(f"{r.name}: {r.memory.peak / 2**20:.1f} MiB, +{r.overhead:.1%}" for r in self.rungs)
@@ -100,7 +141,7 @@ def select(policy, rungs: list[Rung], peaks: list[int] | None = None) -> Rung:
     if policy == "none":
         return rungs[0]
     if policy == "full":  # the least memory of the rungs that recompute every layer op
-        full = [r for r in rungs if r.name == "full" or r.name.startswith(("full,", "full +"))] or rungs[-1:]
+        full = [r for r in rungs if r.spec.kind == "full"] or rungs[-1:]
         return min(full, key=lambda r: (r.memory.peak, r.recompute))
     if policy == "auto":
         fits = [r for r in rungs if r.overhead <= AUTO_OVERHEAD] or rungs[:1]
@@ -117,12 +158,6 @@ def select(policy, rungs: list[Rung], peaks: list[int] | None = None) -> Rung:
     return min(fits, key=lambda r: (r.recompute, peak[id(r)]))
 
 
-def check_policy(policy) -> None:
-    if isinstance(policy, bool) or not (policy in ("auto", "none", "full") or (isinstance(policy, int) and policy > 0)):
-        raise ValueError(f"autosp: checkpoint={policy!r}; use 'auto', 'none', 'full', or a memory budget in bytes "
-                         "per rank (a positive int)")
-
-
 def _region(nd: fx.Node) -> str | None:
     """The repeated block (an item of a ModuleList) a forward node belongs to, outermost first."""
     for fqn, _ in (nd.meta.get("nn_module_stack") or {}).values():
@@ -131,21 +166,15 @@ def _region(nd: fx.Node) -> str | None:
     return None
 
 
-def _nbytes(nd: fx.Node) -> int:
-    v = nd.meta.get("val")
-    vals = v if isinstance(v, (tuple, list)) else [v]
-    return sum(t.numel() * t.element_size() for t in vals if isinstance(t, torch.Tensor))
-
-
 def _attention_flops(nd: fx.Node) -> float:
     """torch's flop counter has no formula for the CPU attention kernels: 4·B·H·Sq·Sk·D forward
     (half of it causal), 2.5 times that backward (recomputed scores, four matmuls)."""
-    args = normalize_function(nd.target, nd.args, nd.kwargs, normalize_to_only_use_kwargs=True).kwargs
+    args = op_args(nd)
     q, k = args["query"].meta["val"], args["key"].meta["val"]
     # ring and hybrid attention (``autosp::ring_attention``): this rank's rows against all S keys
     flops = 4.0 * q.shape[0] * q.shape[1] * q.shape[2] * args.get("S", k.shape[2]) * q.shape[3]
     causal = bool(args["is_causal"])
-    return flops * (0.5 if causal else 1.0) * (2.5 if "backward" in nd.target.name() else 1.0)
+    return flops * (0.5 if causal else 1.0) * (2.5 if is_attention_backward(nd.target) else 1.0)
 
 
 _MATMULS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1),
@@ -159,13 +188,13 @@ def _flops(nd: fx.Node) -> float:
         i, j = _MATMULS[nd.target]
         a, b = nd.args[i].meta["val"], nd.args[j].meta["val"]
         return 2.0 * a.numel() * b.shape[-1]
-    if _kind(nd) == "attention":
+    if is_attention(nd.target):
         return _attention_flops(nd)
     return 0.0
 
 
 def _cost(nd: fx.Node) -> float:
-    return _flops(nd) + MACHINE_BALANCE * _nbytes(nd)
+    return _flops(nd) + MACHINE_BALANCE * out_bytes(nd)
 
 
 def _kind(nd: fx.Node) -> str:
@@ -176,7 +205,7 @@ def _kind(nd: fx.Node) -> str:
     if isinstance(target, torch._ops.OpOverload):
         if target.namespace == "_c10d_functional":
             return "collective"
-        if any(x in target.name() for x in ("scaled_dot_product", "flash_attention", "autosp::ring_attention")):
+        if is_attention(target):
             return "attention"
         if torch.Tag.nondeterministic_seeded in target.tags:
             return "random"
@@ -249,54 +278,81 @@ def _attention_merges(fwd: dict[fx.Node, str], kinds: dict[fx.Node, str]) -> set
     return out
 
 
-def _ladder(gm: fx.GraphModule, cost: dict[str, float], loss: bool = False
-            ) -> tuple[list[tuple[str, dict[str, CheckpointPolicy]]], dict[str, int], dict[str, CheckpointPolicy]]:
-    """The rungs (name, tags), the region of each tagged op, and (``loss``) the tags that also
-    recompute the ops after the last layer (``_head_ops``), "full" plus those."""
+def _layer_tags(gm: fx.GraphModule, cost: dict[str, float], tiles: int) -> tuple[list[tuple[RungSpec, Tags]], dict[str, int]]:
+    """The rungs (what each recomputes, and its tags) and the region of each tagged op. On a tiled
+    graph (``tiles`` > 1) the ladder also has "full + loss": "full" and the ops after the last layer
+    (``_head_ops``); untiled, the recomputed logits would come back whole."""
     fwd = _forward_ops(gm)
     region_ids = {r: i for i, r in enumerate(dict.fromkeys(fwd.values()))}
     regions = {nd.name: region_ids[r] for nd, r in fwd.items()}
-    head = _head_ops(gm, fwd) if loss else []
+    head = _head_ops(gm, fwd) if tiles > 1 else []
     regions.update({nd.name: len(region_ids) for nd in head})
     kinds = {nd: _kind(nd) for nd in [*fwd, *head]}
 
-    per_byte = {nd.name: cost[nd.name] / max(_nbytes(nd), 1) for nd in fwd if kinds[nd] == "compute"}
+    per_byte = {nd.name: cost[nd.name] / max(out_bytes(nd), 1) for nd in fwd if kinds[nd] == "compute"}
     merges = _attention_merges(fwd, kinds)
     keep = {nd.name: CheckpointPolicy.MUST_SAVE for nd in fwd if kinds[nd] in ("attention", "random") or nd in merges}
     views = {nd.name: CheckpointPolicy.PREFER_RECOMPUTE for nd in fwd if kinds[nd] == "view"}
     getitems = [nd for nd in [*fwd, *head] if kinds[nd] == "getitem"]
 
-    def with_getitems(tags: dict[str, CheckpointPolicy]) -> dict[str, CheckpointPolicy]:
+    def with_getitems(tags: Tags) -> Tags:
         # an output of a multi-output op follows the op: a tuple cannot be saved on its own
         return {**tags, **{nd.name: tags[nd.args[0].name] for nd in getitems if nd.args[0].name in tags}}
 
-    ladder: list[tuple[str, dict[str, CheckpointPolicy]]] = [("none", {})]
+    rungs: list[tuple[RungSpec, Tags]] = [(RungSpec("none"), {})]
     ratios = sorted({float(f"{r:.2g}") for r in per_byte.values()})
     thresholds = sorted({ratios[min(len(ratios) - 1, math.ceil(q * len(ratios)) - 1)]
                          for q in [(k + 1) / RUNGS for k in range(RUNGS)]}) if ratios else []
     for t in thresholds:
         tags = {**keep, **views, **{name: CheckpointPolicy.PREFER_RECOMPUTE for name, r in per_byte.items()
                                     if float(f"{r:.2g}") <= t}}
-        ladder.append((f"recompute <= {t:.3g} flop/B", with_getitems(tags)))
+        rungs.append((RungSpec("threshold", t, tiles=tiles), with_getitems(tags)))
+    if not fwd:
+        return rungs, regions
     full = {**{nd.name: CheckpointPolicy.PREFER_RECOMPUTE for nd in fwd if kinds[nd] in ("compute", "view")}, **keep}
-    if fwd:
-        ladder.append(("full", with_getitems(full)))
+    rungs.append((RungSpec("full", tiles=tiles), with_getitems(full)))
     head_tags = {nd.name: CheckpointPolicy.PREFER_RECOMPUTE if kinds[nd] in ("compute", "view") else
                  CheckpointPolicy.MUST_SAVE for nd in head if kinds[nd] != "getitem"}
-    return ladder, regions, with_getitems({**full, **head_tags}) if fwd and head_tags else {}
+    if head_tags:
+        rungs.append((RungSpec("full", loss=True, tiles=tiles), with_getitems({**full, **head_tags})))
+    return rungs, regions
 
 
-def _recompute_cost(fw: fx.GraphModule, bw: fx.GraphModule, cost_of) -> float:
-    """What the backward recomputes (FSDP's parameter gathers are communication, as FSDP2 runs
-    them in every setting, not activation recompute)."""
-    fw_names = {nd.name for nd in fw.graph.nodes if nd.op == "call_function"}
-    return sum(cost_of(nd) for nd in bw.graph.nodes
-               if nd.op == "call_function" and nd.name in fw_names and nd.target is not _FSDP_GATHER)
+@dataclass(frozen=True)
+class _Ladder:
+    """The rungs of one per-rank joint graph (FSDP2's gathers tagged in every rung), the
+    checkpoint region of each tagged op, and each op's estimated cost."""
 
+    graph: fx.GraphModule
+    rungs: list[tuple[RungSpec, Tags]]
+    regions: dict[str, int]
+    cost: dict[str, float]
 
-def _written(gm: fx.GraphModule, cost: dict[str, float]) -> float:
-    """The estimated cost of the ops that compute (not views or getitems)."""
-    return sum(cost[nd.name] for nd in gm.graph.nodes if nd.op == "call_function" and _kind(nd) not in ("view", "getitem"))
+    @classmethod
+    def of(cls, gm: fx.GraphModule, tiles: int = 1) -> _Ladder:
+        cost = {nd.name: _cost(nd) for nd in gm.graph.nodes if nd.op == "call_function"}
+        rungs, regions = _layer_tags(gm, cost, tiles)
+        # FSDP2's parameter gathers: re-gathered in the backward (or kept) under every policy
+        params = fsdp_tags(gm)
+        regions = {**regions, **{k: region for k, (_, region) in params.items()}}
+        rungs = [(spec, {**tags, **{k: tag for k, (tag, _) in params.items()}}) for spec, tags in rungs]
+        return cls(gm, rungs, regions, cost)
+
+    def cost_of(self, nd: fx.Node) -> float:
+        """A node's cost; a backward node is named as the forward op it recomputes."""
+        return self.cost[nd.name] if nd.name in self.cost else _cost(nd)
+
+    def written(self) -> float:
+        """The estimated cost of the ops that compute (not views or getitems)."""
+        return sum(self.cost[nd.name] for nd in self.graph.graph.nodes
+                   if nd.op == "call_function" and _kind(nd) not in ("view", "getitem"))
+
+    def recompute_cost(self, fw: fx.GraphModule, bw: fx.GraphModule) -> float:
+        """What the backward recomputes (FSDP's parameter gathers are communication, as FSDP2 runs
+        them in every setting, not activation recompute)."""
+        fw_names = {nd.name for nd in fw.graph.nodes if nd.op == "call_function"}
+        return sum(self.cost_of(nd) for nd in bw.graph.nodes
+                   if nd.op == "call_function" and nd.name in fw_names and nd.target is not _FSDP_GATHER)
 
 
 def _settled(policy, rung: Rung) -> bool:
@@ -306,75 +362,69 @@ def _settled(policy, rung: Rung) -> bool:
     return isinstance(policy, int) and rung.memory.peak <= policy
 
 
+@dataclass(frozen=True)
+class _Partitioner:
+    """AOTAutograd's min-cut partitioner on a tagged copy of a graph, and the memory it predicts."""
+
+    joint_inputs: object
+    num_fwd_outputs: int
+    kwargs: dict
+
+    def __call__(self, ladder: _Ladder, tags: Tags):
+        g = _tagged_copy(ladder.graph, tags, ladder.regions)
+        fw, bw = partitioners.min_cut_rematerialization_partition(g, self.joint_inputs,
+                                                                 num_fwd_outputs=self.num_fwd_outputs, **self.kwargs)
+        return fw, bw, estimate_memory(fw, bw, self.num_fwd_outputs)
+
+
 def checkpoint_partition(gm: fx.GraphModule, joint_inputs, policy, *, num_fwd_outputs: int,
                          every_rung: bool = False, largest=None,
-                         tiled: Callable[[], fx.GraphModule | None] | None = None, **kwargs):
+                         tiled: Callable[[], fx.GraphModule] | None = None, tiles: int = 1, **kwargs):
     """Partition the per-rank joint graph under ``policy``: (forward, backward, Checkpoint). The
     ladder is walked from the rung that recomputes least and stops once the policy is settled,
     unless ``every_rung`` (planning tools compare them all). A budget evaluates every rung and
     holds each against ``largest(peaks)``, the peaks of the rank that needs most: ranks with
     uneven shards (or K/V-gathered attention, whose first rank runs one block fewer) predict
     different peaks, and every rank must take the same decision, or raise the same error.
-    ``tiled``: makes the same graph with sequence tiling (``_tiling``; None if nothing tiles);
-    its "full" and "full + loss" rungs end the ladder, evaluated when the policy may want less
-    memory than the untiled "full" gives."""
+    ``tiled``: makes the same graph tiled in ``tiles`` along the sequence (``_tiling``); its "full"
+    and "full + loss" rungs end the ladder, evaluated when the policy may want less memory than
+    the untiled "full" gives."""
     check_policy(policy)
     every_rung = every_rung or isinstance(policy, int)
-
-    def partition(g):
-        fw, bw = partitioners.min_cut_rematerialization_partition(g, joint_inputs, num_fwd_outputs=num_fwd_outputs,
-                                                                 **kwargs)
-        return fw, bw, estimate_memory(fw, bw, num_fwd_outputs)
-
-    def ladder_of(g: fx.GraphModule, loss: bool):
-        cost = {nd.name: _cost(nd) for nd in g.graph.nodes if nd.op == "call_function"}
-        ladder, regions, with_head = _ladder(g, cost, loss)
-        if with_head:  # tiled only: untiled, the recomputed logits would come back whole
-            ladder.append(("full + loss", with_head))
-        # FSDP2's parameter gathers: re-gathered in the backward (or kept) under every policy
-        params = fsdp_tags(g)
-        regions = {**regions, **{k: region for k, (_, region) in params.items()}}
-        ladder = [(name, {**tags, **{k: tag for k, (tag, _) in params.items()}}) for name, tags in ladder]
-
-        def cost_of(nd: fx.Node) -> float:  # a backward node named as the forward op it recomputes
-            return cost[nd.name] if nd.name in cost else _cost(nd)
-        return ladder, regions, cost, cost_of
-
-    ladder, regions, cost, cost_of = ladder_of(gm, loss=False)
-    ops = [nd for nd in gm.graph.nodes if nd.op == "call_function"]
-    step_cost = sum(cost.values())
-    attention_cost = sum(cost[nd.name] for nd in ops if _kind(nd) == "attention")
+    partition = _Partitioner(joint_inputs, num_fwd_outputs, kwargs)
+    ladder = _Ladder.of(gm)
+    step_cost = sum(ladder.cost.values())
+    attention_cost = sum(ladder.cost[nd.name] for nd in gm.graph.nodes
+                         if nd.op == "call_function" and _kind(nd) == "attention")
+    rungs = ladder.rungs
     if policy in ("none", "full") and not every_rung:
-        ladder = ladder[:1] if policy == "none" else ladder[-1:]
+        rungs = rungs[:1] if policy == "none" else rungs[-1:]
 
-    results, seen = [], []
-    settled = False
-    for name, tags in ladder:
+    results, seen, settled = [], [], False
+    for spec, tags in rungs:
         if tags in seen:  # a rung that tags nothing more than the one before it
             continue
         seen.append(tags)
-        fw, bw, mem = partition(_tagged_copy(gm, tags, regions))
-        rung = Rung(name, mem, _recompute_cost(fw, bw, cost_of), step_cost, attention_cost)
+        fw, bw, mem = partition(ladder, tags)
+        rung = Rung(spec, mem, ladder.recompute_cost(fw, bw), step_cost, attention_cost)
         results.append((rung, fw, bw))
         settled = _settled(policy, rung)
         if not every_rung and settled:
             break
     # the tiled rungs: where the walk reached "full" (a budget or a planning tool: always, and a
     # budget alike on every rank)
-    if tiled is not None and policy != "none" and ladder[-1][0] == "full" and (every_rung or not settled):
-        g = tiled()
-        if g is not None:
-            t_ladder, t_regions, t_cost, t_cost_of = ladder_of(g, loss=True)
-            # the tiles' joins and partial sums count as recompute (views, the tiles' slices, write nothing)
-            extra = max(_written(g, t_cost) - _written(gm, cost), 0.0)
-            for name, tags in [r for r in t_ladder if r[0] in ("full", "full + loss")]:
-                fw, bw, mem = partition(_tagged_copy(g, tags, t_regions))
-                rung = Rung(f"{name}, {g.meta['autosp_tiles']} tiles", mem,
-                            _recompute_cost(fw, bw, t_cost_of) + extra, step_cost, attention_cost)
+    if tiled is not None and policy != "none" and rungs[-1][0].kind == "full" and (every_rung or not settled):
+        tiled_ladder = _Ladder.of(tiled(), tiles)
+        # the tiles' joins and partial sums count as recompute (views, the tiles' slices, write nothing)
+        extra = max(tiled_ladder.written() - ladder.written(), 0.0)
+        for spec, tags in tiled_ladder.rungs:
+            if spec.kind == "full":
+                fw, bw, mem = partition(tiled_ladder, tags)
+                rung = Rung(spec, mem, tiled_ladder.recompute_cost(fw, bw) + extra, step_cost, attention_cost)
                 results.append((rung, fw, bw))
-    rungs = [r[0] for r in results]
-    peaks = [r.memory.peak for r in rungs]
-    rung = select(policy, rungs, largest(peaks) if largest is not None and isinstance(policy, int) else peaks)
+    peaks = [r.memory.peak for r, _, _ in results]
+    rung = select(policy, [r for r, _, _ in results],
+                  largest(peaks) if largest is not None and isinstance(policy, int) else peaks)
     _, fw, bw = next(r for r in results if r[0] is rung)
-    return fw, bw, Checkpoint(f"{policy} bytes" if isinstance(policy, int) else policy, rung.name, rung.memory,
-                              tuple(r[0] for r in results))
+    return fw, bw, Checkpoint(f"{policy} bytes" if isinstance(policy, int) else policy, rung,
+                              tuple(r for r, _, _ in results))

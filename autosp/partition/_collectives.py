@@ -10,24 +10,19 @@ with split sizes; even ones take the reshape-only paths.
 """
 from __future__ import annotations
 
-import itertools
 from typing import Sequence
 
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor.placement_types import Placement
 
-from ..propagate._placement import chunks, redistribute_kind, shard_spec
+from ..propagate._placement import chunks, offsets, redistribute_kind, shard_spec
 
-__all__ = ["redistribute"]
+__all__ = ["redistribute", "pad_to"]
 
 
 def _split(shape: list[int], d: int, parts: list[int]) -> list[int]:
     return shape[:d] + parts + shape[d + 1:]
-
-
-def _offsets(cs: list[int]) -> list[int]:
-    return [0, *itertools.accumulate(cs[:-1])]
 
 
 def _even(cs: list[int]) -> bool:
@@ -39,11 +34,11 @@ def _slice(x: torch.Tensor, d: int, sf: int, n: int, rank: int) -> torch.Tensor:
     shape = list(x.shape)
     block = shape[d] // sf
     cs = chunks(block, n)
-    y = x.reshape(_split(shape, d, [sf, block])).narrow(d + 1, _offsets(cs)[rank], cs[rank])
+    y = x.reshape(_split(shape, d, [sf, block])).narrow(d + 1, offsets(cs)[rank], cs[rank])
     return y.reshape(_split(shape, d, [sf * cs[rank]]))
 
 
-def _pad_to(x: torch.Tensor, d: int, size: int) -> torch.Tensor:
+def pad_to(x: torch.Tensor, d: int, size: int) -> torch.Tensor:
     if x.shape[d] == size:
         return x
     fill = list(x.shape)
@@ -57,7 +52,7 @@ def _gather(x: torch.Tensor, d: int, sf: int, n: int, group, block: int) -> torc
     cs = chunks(block, n)
     c = shape[d] // sf
     y = x.reshape(_split(shape, d, [sf, c]))
-    y = _pad_to(y, d + 1, cs[0]).contiguous()
+    y = pad_to(y, d + 1, cs[0]).contiguous()
     y = funcol.all_gather_tensor(y, 0, group)  # ranks stacked on dim 0
     y = y.reshape([n] + _split(shape, d, [sf, cs[0]]))
     if _even(cs):
@@ -75,7 +70,7 @@ def _reduce_scatter(x: torch.Tensor, d: int, sf: int, n: int, rank: int, group) 
     if _even(cs):
         y = y.reshape(_split(shape, d, [sf, n, cs[0]])).movedim(d + 1, 0).contiguous()
     else:
-        y = torch.stack([_pad_to(p, d + 1, cs[0]) for p in y.split(cs, dim=d + 1)]).contiguous()
+        y = torch.stack([pad_to(p, d + 1, cs[0]) for p in y.split(cs, dim=d + 1)]).contiguous()
     y = funcol.reduce_scatter_tensor(y, "sum", 0, group)
     y = y.reshape(_split(shape, d, [sf, cs[0]])).narrow(d + 1, 0, cs[rank])
     return y.reshape(_split(shape, d, [sf * cs[rank]]))
@@ -97,7 +92,7 @@ def _all_to_all(x: torch.Tensor, a: int, sfa: int, b: int, sfb: int, n: int, ran
         return y.reshape(_split(mid, a, [sfa * n * ca[0]]))
     # uneven: flat buffers with split sizes; piece j of dim b goes to rank j
     xb = x.reshape(_split(shape, b, [sfb, block_b]))
-    send = [xb.narrow(b + 1, o, c).reshape(-1) for o, c in zip(_offsets(cb), cb)]
+    send = [xb.narrow(b + 1, o, c).reshape(-1) for o, c in zip(offsets(cb), cb)]
     mids = []  # the shape of what rank j sends here: its chunk of a, this rank's chunk of b
     for j in range(n):
         m = list(shape)

@@ -12,16 +12,34 @@ none), which is what ``fully_shard`` leaves on the module.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from .._graph import nbytes, op_args, out_vals
 from ..propagate._placement import P, R
-from ..propagate._rules import Strategy, rule
-from ._collectives import _pad_to
+from ..propagate._strategy import Strategy, rule
+from ._collectives import pad_to
 
-__all__ = ["fsdp_gather", "fsdp_reduce", "gathers_at_first_use", "fsdp_tags", "FSDP_OPS"]
+__all__ = ["GatherArgs", "fsdp_gather", "fsdp_reduce", "gathers_at_first_use", "fsdp_tags", "fsdp_notes", "fsdp_reduce_call",
+           "GATHER", "REDUCE", "FSDP_OPS"]
+
+
+class GatherArgs(NamedTuple):
+    """``autosp::fsdp_gather``'s arguments after the shard, by name."""
+
+    dim: int  # the sharded dim
+    size: int  # its full size
+    world: int  # ranks the parameter is sharded over
+    outer: str  # the group holding the same shard ("": none)
+    divide: int  # the dp replicas the gradient is averaged over
+    reshard: bool  # gathered again in the backward (the module reshards after forward)
+    dtype: torch.dtype  # FSDP2's param_dtype
+    reduce_dtype: torch.dtype
+    group: str  # the FSDP group
 
 
 def _waited(t: torch.Tensor) -> torch.Tensor:
@@ -35,7 +53,7 @@ def fsdp_gather(shard: torch.Tensor, dim: int, size: int, world: int, outer: str
     ``param_dtype``: the shard is cast before the gather, as FSDP2 does). ``outer``, ``divide``,
     ``reduce_dtype`` and ``reshard`` are for the gradient and the checkpointing pass."""
     c = -(-size // world)
-    x = _pad_to(shard.to(dtype).movedim(dim, 0), 0, c).contiguous()
+    x = pad_to(shard.to(dtype).movedim(dim, 0), 0, c).contiguous()
     full = _waited(funcol.all_gather_single(x, 0, group)).narrow(0, 0, size)
     return full.movedim(0, dim).contiguous()
 
@@ -56,7 +74,7 @@ def fsdp_reduce(grad: torch.Tensor, dim: int, local: int, world: int, outer: str
     hold the same shard), and returned in the shard's dtype ``out_dtype``."""
     g = grad.to(reduce_dtype).movedim(dim, 0)
     c = -(-g.shape[0] // world)
-    g = _pad_to(g, 0, c * world).contiguous()
+    g = pad_to(g, 0, c * world).contiguous()
     out = _waited(funcol.reduce_scatter_single(g, "sum", 0, group)).narrow(0, 0, local)
     if outer:
         out = _waited(funcol.all_reduce(out.contiguous(), "sum", outer))
@@ -121,7 +139,29 @@ def fsdp_tags(gm: fx.GraphModule) -> dict[str, tuple[CheckpointPolicy, int]]:
     backward where the module reshards after forward, else kept. The region ids lie above any
     layer's, so the partitioner never turns a gather into a kept boundary of the layer using it."""
     out = {}
-    for i, nd in enumerate(n for n in gm.graph.nodes if n.op == "call_function" and n.target is GATHER):
-        reshard = nd.args[6] if len(nd.args) > 6 else nd.kwargs["reshard"]
+    for i, nd in enumerate(gm.graph.find_nodes(op="call_function", target=GATHER)):
+        reshard = op_args(nd)["reshard"]
         out[nd.name] = (CheckpointPolicy.MUST_RECOMPUTE if reshard else CheckpointPolicy.MUST_SAVE, 1_000_000 + i)
     return out
+
+
+def fsdp_reduce_call(nd, s, target, args, kwargs, ctx):
+    """The per-rank call of ``autosp::fsdp_reduce``: a replicated gradient is counted once in the
+    op's sum over the sp ranks (on sp rank 0)."""
+    if s.ins[0] == R and ctx.n > 1 and ctx.rank != 0:
+        args = (torch.zeros_like(args[0]), *args[1:])
+    return target, args, kwargs
+
+
+def fsdp_notes(joint: fx.GraphModule) -> list[str]:
+    """One line for FSDP2's parameters: how many, over how many ranks, and when they are gathered."""
+    nodes = joint.graph.find_nodes(op="call_function", target=GATHER)
+    if not nodes:
+        return []
+    gathers = [op_args(nd) for nd in nodes]
+    full = sum(nbytes(out_vals(nd)[0]) for nd in nodes)
+    worlds = sorted({g["world"] for g in gathers})
+    again = sum(bool(g["reshard"]) for g in gathers)
+    return [f"FSDP2: {len(nodes)} parameters ({full / 2**20:.1f} MiB in full) sharded over {worlds} ranks: each "
+            f"gathered before its first use in the forward, {again} of them again in the backward (their modules "
+            "reshard after forward), gradients reduce-scattered"]

@@ -22,14 +22,12 @@ import operator
 import torch
 import torch.fx as fx
 
+from .._graph import SDPA_CPU as _FWD, SDPA_CPU_BACKWARD as _BWD, out_vals
 from ..errors import source_line
-from ..propagate._rules import out_vals
 
 __all__ = ["fold_kv_repeats"]
 
 aten = torch.ops.aten
-_FWD = aten._scaled_dot_product_flash_attention_for_cpu.default
-_BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 

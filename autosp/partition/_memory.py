@@ -23,6 +23,9 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
+from .._graph import op_args
+from ._attention import RING, RING_BACKWARD
+
 __all__ = ["MemoryEstimate", "estimate_memory", "graph_peak"]
 
 
@@ -82,17 +85,16 @@ def _aliased_input(nd: fx.Node) -> fx.Node | None:
 # (tests/ring_workspace_probe.py: 8 heads of 32, 4096 rows per rank; RSS high-water mark during
 # one call, its outputs taken off): forward 6.0-8.1, backward 11.0-17.0 (causal and not); 8 and
 # 17 are taken, at or near the upper ends.
-RING_WORKSPACE = {"autosp::ring_attention": 8.0, "autosp::ring_attention_backward": 17.0}
+RING_WORKSPACE = {RING: 8.0, RING_BACKWARD: 17.0}
 
 
 def _workspace(nd: fx.Node) -> int:
     """Bytes an op allocates and frees while it runs (only the ring attention ops are modelled;
     other ops' workspace is small next to their outputs)."""
-    factor = RING_WORKSPACE.get(getattr(nd.target, "name", lambda: "")()) if isinstance(
-        nd.target, torch._ops.OpOverload) else None
+    factor = RING_WORKSPACE.get(nd.target)
     if factor is None:
         return 0
-    query = nd.args[0 if nd.target.name() == "autosp::ring_attention" else 1]
+    query = op_args(nd)["query"]
     return int(factor * _nbytes(query.meta.get("val"))) if isinstance(query, fx.Node) else 0
 
 

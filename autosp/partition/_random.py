@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["sharded_dropout"]
+from ..propagate._placement import is_shard
+
+__all__ = ["sharded_dropout", "dropout_call"]
 
 _SALT = 0x9E3779B97F4A7C15  # odd 64-bit constant (golden ratio): spreads ranks' seeds apart
 
@@ -34,3 +36,12 @@ def sharded_dropout(x: torch.Tensor, p: float, train: bool | None, rank: int):
     if not train or p == 0.0:
         return torch.ops.aten.native_dropout.default(x, p, train)
     return torch.ops.autosp.dropout(x, p, rank)
+
+
+def dropout_call(nd, s, target, args, kwargs, ctx):
+    """The per-rank call of ``native_dropout``: on a sharded input, this rank's own draws."""
+    if not any(is_shard(q) for q in s.ins):
+        return target, args, kwargs
+    kwargs = dict(kwargs)
+    train = args[2] if len(args) > 2 else kwargs.pop("train", None)
+    return sharded_dropout, (args[0], args[1], train, ctx.rank), kwargs

@@ -27,10 +27,11 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from .._context import SpContext
+from .._graph import is_attention, out_vals, tensor_inputs
 from ..propagate._placement import P, chunks, local_shape, redistribute_kind, shard_spec
-from ..propagate._rules import out_vals, tensor_inputs
 
-__all__ = ["Tiling", "plan_tiles", "MIN_TILE_ROWS", "MAX_TILES"]
+__all__ = ["Tiling", "TileRunner", "plan_tiles", "MIN_TILE_ROWS", "MAX_TILES", "SHAPE_ARG"]
 
 aten = torch.ops.aten
 
@@ -51,14 +52,14 @@ _SIZE_NAMES = {"size", "sizes", "shape", "stride", "input_size", "input_sizes", 
 @dataclass(frozen=True)
 class Tiling:
     """The tiled ops (``nodes``, in graph order), each one's tiled dim (None for ``Partial``
-    outputs: summed over the tiles), and the tile lengths along a local sequence of ``rows``."""
+    outputs: summed over the tiles), and the tile lengths along this rank's local sequence."""
 
     nodes: dict[fx.Node, int | None]
     sizes: tuple[int, ...]
 
     @property
-    def rows(self) -> int:
-        return sum(self.sizes)
+    def count(self) -> int:
+        return len(self.sizes)
 
     @property
     def starts(self) -> tuple[int, ...]:
@@ -84,18 +85,18 @@ def _excluded(nd: fx.Node, kernel) -> bool:
         return False
     if not isinstance(target, torch._ops.OpOverload) or kernel is not None:
         return True
-    name = target.name()
-    if target.namespace in ("_c10d_functional", "autosp") or "scaled_dot_product" in name or "flash_attention" in name:
+    if target.namespace in ("_c10d_functional", "autosp") or is_attention(target):
         return True
     if torch.Tag.nondeterministic_seeded in target.tags or target is aten.native_dropout.default:
         return True
     return target not in SHAPE_ARG and _has_size_arg(target)
 
 
-def plan_tiles(graph: fx.Graph, plan, n: int, rank: int, tiles: int = MAX_TILES) -> Tiling | None:
+def plan_tiles(graph: fx.Graph, plan, ctx: SpContext, tiles: int = MAX_TILES) -> Tiling | None:
     """The ops of ``graph`` (solved ``plan``) that run in tiles along the local sequence (the
     most common sharded length): as many as fit ``MIN_TILE_ROWS`` rows each, at most ``tiles``;
     None when that is fewer than two or nothing can be tiled."""
+    n, rank = ctx.n, ctx.rank
     cand: dict[fx.Node, int | None] = {}
     lengths: dict[fx.Node, int] = {}
     for nd in graph.nodes:
@@ -154,3 +155,63 @@ def plan_tiles(graph: fx.Graph, plan, n: int, rank: int, tiles: int = MAX_TILES)
     if not any(d is not None for d in nodes.values()):
         return None
     return Tiling(nodes, tuple(chunks(rows, tiles)))
+
+
+def _item(v, u: fx.Node, i: int):
+    """Output i of a value held for node u (a getitem's value is its item already)."""
+    return v[i] if u.target is not operator.getitem and isinstance(v, (tuple, list)) else v
+
+
+class TileRunner:
+    """Runs a tiling's ops for a per-rank interpreter (``partition._localize.Localizer``): each
+    tiled op waits (``defers``) until an untiled op (or the output) reads one of the waiting ops;
+    then the waiting ops run one tile through all of them, then the next. A tiled op read untiled
+    is its tiles joined along the sequence (``joined``); a partial sum read untiled (a weight
+    gradient, the loss) is added up as the tiles go."""
+
+    def __init__(self, interp, tiling: Tiling):
+        self.interp, self.tiling = interp, tiling
+        self.waiting: list[fx.Node] = []
+        self.parts: dict[fx.Node, list] = {}  # a tiled op's result per tile
+
+    def defers(self, nd: fx.Node) -> bool:
+        """Whether ``nd`` waits to run in tiles; before a node that reads a waiting one, the
+        waiting ones run."""
+        tiled = self.tiling.nodes
+        if nd in tiled:
+            self.waiting.append(nd)
+            return True
+        if self.waiting and (nd.op == "output" or any(u in tiled and u not in self.parts for u in nd.all_input_nodes)):
+            self._run(self.waiting)
+            self.waiting = []
+        return False
+
+    def joined(self, u: fx.Node):
+        """A tiled op's value read untiled: its tiles joined along the sequence."""
+        v, d = self.parts[u], self.tiling.nodes[u]
+        if isinstance(v[0], (tuple, list)):
+            return type(v[0])(torch.cat(list(t), d) if isinstance(t[0], torch.Tensor) else t[0] for t in zip(*v))
+        return torch.cat(v, d)
+
+    def _run(self, ops: list[fx.Node]) -> None:
+        interp, tiled = self.interp, self.tiling.nodes
+        summed = {nd for nd in ops if tiled[nd] is None and any(u not in tiled for u in nd.users)}
+        sliced: dict[tuple, torch.Tensor] = {}
+        for j, (start, rows) in enumerate(zip(self.tiling.starts, self.tiling.sizes)):
+            def tile(u: fx.Node, i: int, q, j=j, start=start, rows=rows) -> torch.Tensor:
+                if u in tiled:
+                    return _item(self.parts[u][j], u, i)
+                spec = shard_spec(q)
+                if spec is None:
+                    return interp.value(u, i)
+                if (u, i, q, j) not in sliced:  # this rank's rows (a free slice of a replicated input), this tile's
+                    sliced[u, i, q, j] = interp.redistributed(u, i, q).narrow(spec[0], start, rows)
+                return sliced[u, i, q, j]
+
+            for nd in ops:
+                with fx.traceback.set_current_meta(nd):
+                    local = [tile(u, i, q) for (u, i), q in zip(tensor_inputs(nd), interp.plan[nd].ins)]
+                    out = interp.call(nd, local, None if tiled[nd] is None else (tiled[nd], rows))
+                    self.parts.setdefault(nd, []).append(out)
+                    if nd in summed:
+                        interp.env[nd] = out if j == 0 else interp.env[nd] + out

@@ -8,7 +8,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
 from torch.utils._pytree import tree_map
 
-from ._rules import Strategy, out_vals, tensor_inputs
+from .._graph import out_vals, tensor_inputs
+from ._strategy import Strategy
 
 __all__ = ["dtensor_strategies"]
 

@@ -12,15 +12,16 @@ are short; the balanced split keeps every rank busy when the length is just over
 """
 from __future__ import annotations
 
-import math
-from typing import Sequence
+import itertools
+import re
+from typing import Iterable, Sequence
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 __all__ = [
-    "R", "P", "shard", "shard_spec", "is_shard", "local_shape", "can_shard", "chunks", "is_even",
-    "redistribute_kind", "transfer_bytes",
+    "R", "P", "shard", "shard_spec", "shard_specs", "is_shard", "local_shape", "can_shard", "chunks", "offsets",
+    "is_even", "redistribute_kind", "transfer_bytes", "placement_str", "parse_placement",
 ]
 
 R = Replicate()
@@ -41,6 +42,16 @@ def shard_spec(p: Placement) -> tuple[int, int] | None:
     return None
 
 
+def shard_specs(places: Iterable[Placement]):
+    """(dim, split factor) of each sharded placement among ``places``, in a fixed order: set order
+    follows str hashes, which differ between processes, and every rank must build the same
+    integer program to reach the same plan."""
+    for p in sorted(places, key=str):
+        spec = shard_spec(p)
+        if spec is not None:
+            yield spec
+
+
 def is_shard(p: Placement) -> bool:
     return shard_spec(p) is not None
 
@@ -59,6 +70,11 @@ def chunks(block: int, n: int) -> list[int]:
     """How a block of ``block`` elements splits over ``n`` ranks (balanced)."""
     q, r = divmod(block, n)
     return [q + (i < r) for i in range(n)]
+
+
+def offsets(cs: list[int]) -> list[int]:
+    """Where each rank's chunk starts, for chunk sizes ``cs``."""
+    return [0, *itertools.accumulate(cs[:-1])]
 
 
 def local_shape(shape: Sequence[int], p: Placement, n: int, rank: int = 0) -> list[int]:
@@ -103,5 +119,21 @@ def transfer_bytes(kind: str, nbytes: int, n: int) -> float:
     }[kind]
 
 
-def nbytes(t) -> int:
-    return math.prod(t.shape) * t.element_size()
+def placement_str(p: Placement) -> str:
+    """DTensor's short form, the one string form autosp stores in graphs: S(1), _S(0, 2), R, P(sum)."""
+    return str(p)
+
+
+def parse_placement(s: str) -> Placement:
+    s = s.replace(" ", "")
+    if s == "R":
+        return Replicate()
+    if s.startswith("P"):
+        return Partial()
+    m = re.fullmatch(r"S\((\d+)\)", s)
+    if m:
+        return Shard(int(m.group(1)))
+    m = re.fullmatch(r"_S\((\d+),(\d+)\)", s)
+    if m:
+        return _StridedShard(int(m.group(1)), split_factor=int(m.group(2)))
+    raise ValueError(f"autosp: cannot parse placement {s!r}; expected R, P, S(d) or _S(d, sf)")

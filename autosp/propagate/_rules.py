@@ -1,98 +1,35 @@
 """Sharding rules: for one ATen node, the strategies (output placements, required input
 placements) it can run with on the "sp" axis.
 
-Rules are keyed by op overload, one registry, in DTensor's shape: a rule sees the placements each
-input can take (what propagation reached so far) and returns every strategy that is exact. Ops
-without a rule here fall back to DTensor's own op strategies (``fallback.py``'s job is done by
-``dtensor_strategies``). Our rules exist where DTensor has none (the CPU attention ops, the autosp
-annotation) or where its choice loses exactness or bytes for SP: views that flatten a sharded dim
-behind another (DTensor yields ``_StridedShard`` that its matmul strategies cannot consume), and
-matmuls/reductions that must understand strided shards.
+Rules are keyed by op overload (``_strategy.RULES``): a rule sees the placements each input can
+take (what propagation reached so far) and returns every strategy that is exact. Ops without a
+rule fall back to DTensor's own op strategies (``_dtensor``). Our rules exist where DTensor has
+none (attention: ``_attention``; the autosp annotation: ``_annotate``) or where its choice loses
+exactness or bytes for SP: views that flatten a sharded dim behind another (DTensor yields
+``_StridedShard`` that its matmul strategies cannot consume), and matmuls/reductions that must
+understand strided shards.
 """
 from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor.placement_types import Placement
-from torch.fx.operator_schemas import normalize_function
-from torch.utils._pytree import tree_flatten
 
-from ._placement import P, R, can_shard, is_even, shard, shard_spec
+from .._graph import out_vals, tensor_inputs
+from ._dtensor import dtensor_strategies
+from ._placement import P, R, can_shard, is_even, shard, shard_spec, shard_specs as _shards
+from ._strategy import PROVENANCE, RULES, Sets, Strategy, dedup as _dedup, provenance, rule
 
-__all__ = ["Strategy", "RULES", "tensor_inputs", "out_vals", "strategies_for", "VIEW_OPS", "hybrid_strategies"]
+__all__ = ["strategies_for", "VIEW_OPS"]
 
 aten = torch.ops.aten
-Sets = Sequence[frozenset]
-
-
-@dataclass(frozen=True, slots=True)
-class Strategy:
-    """One way to run a node: placement of each tensor output (None for non-tensor outputs) and
-    the placement each tensor input must be redistributed to (in ``tensor_inputs`` order)."""
-
-    outs: tuple[Placement | None, ...]
-    ins: tuple[Placement, ...]
-    introduces: bool = False  # may shard dims no input's placement reached (attention heads)
-    # attention: how it runs per rank ("ulysses": heads split, "batch", "kv_gather", "ring", "hybrid"),
-    # None for other ops and for running replicated; ``autosp.shard(attention=...)`` forces one
-    kernel: str | None = None
-    comm: float = 0.0  # bytes a rank sends inside the kernel (ring attention's K/V passes)
-    held: float = 0.0  # bytes it holds beyond its inputs and outputs (gathered K/V, saved for the backward)
-
-
-def out_vals(node: fx.Node) -> list:
-    """The node's outputs as a flat list of fake tensors (None where an output is not a tensor)."""
-    val = node.meta.get("val")
-    vals = list(val) if isinstance(val, (tuple, list)) else [val]
-    return [v if isinstance(v, torch.Tensor) else None for v in vals]
-
-
-def tensor_inputs(node: fx.Node) -> list[tuple[fx.Node, int]]:
-    """Each tensor-valued input occurrence as (producer, output index), in argument order."""
-    if node.target is operator.getitem:
-        return [(node.args[0], node.args[1])]
-    leaves, _ = tree_flatten((node.args, node.kwargs))
-    return [(a, 0) for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
 
 
 def _val(node: fx.Node, idx: int = 0):
     return out_vals(node)[idx]
-
-
-def _shards(places: Iterable[Placement]):
-    # sorted: set order follows str hashes, which differ between processes, and every rank
-    # must build the same integer program to reach the same plan
-    for p in sorted(places, key=str):
-        spec = shard_spec(p)
-        if spec is not None:
-            yield spec
-
-
-RULES: dict = {}
-
-
-def rule(*ops):
-    def deco(fn):
-        for op in ops:
-            RULES[op] = fn
-        return fn
-    return deco
-
-
-def _dedup(strats: Iterable[Strategy]) -> list[Strategy]:
-    seen, out = set(), []
-    for s in strats:
-        key = (s.outs, s.ins)
-        if key not in seen:
-            seen.add(key)
-            out.append(s)
-    return out
-
 
 # ---------------------------------------------------------------------------------------------
 # dim maps: ops whose output dims are input dims moved around (views, transposes, copies)
@@ -600,153 +537,6 @@ def _getitem(node, A, n):
 
 
 # ---------------------------------------------------------------------------------------------
-# attention: heads (or batch) sharded, as Ulysses; or the query's sequence, with K/V passed
-# around a ring, gathered, or (on a 2D sp mesh) Ulysses within sub-groups and a ring across them
-
-def _heads_error(node, heads, kv_heads, n):
-    from ..errors import PlanError
-    raise PlanError(node, f"{heads} query heads and {kv_heads} K/V heads (grouped-query attention inside the "
-                    f"attention op) cannot be split over sp={n} ranks: an uneven head split needs each query "
-                    "head's K/V head on the same rank",
-                    "repeat K/V to the query head count before attention (as Hugging Face's repeat_kv does), "
-                    "or use an sp size that divides both head counts")
-
-
-def _heads_split(q, k, n) -> bool:
-    """Whether attention can run with its heads split over the ranks: evenly (grouped-query blocks
-    then align: query head j reads K/V head j // (H / KV)), or unevenly (balanced, e.g. 6 heads
-    over 4 ranks: 2, 2, 1, 1) when every query head has its own K/V head at the op and every rank
-    gets one."""
-    H, KV = q.shape[1], k.shape[1]
-    # no rank without heads: the CPU attention kernels divide by the head count (SIGFPE)
-    return (H % n == 0 and KV % n == 0) or (H == KV and H >= n)
-
-
-def _seq_attention_ok(node, q, k) -> bool:
-    """Whether attention can run with the query sequence-sharded (K/V gathered, or passed around
-    a ring): self-attention (the causal diagonal is where the query shard sits), a mask with a row
-    per query and a column per key if any, and no dropout. ``autosp.partition._attention`` runs
-    both on each rank."""
-    args = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
-    mask = args["attn_mask"]
-    # a mask (padding, documents) is read whole on every rank: a row per query, a column per key
-    mask_ok = mask is None or (_val(mask).ndim == 4 and tuple(_val(mask).shape[-2:]) == (q.shape[2], k.shape[2]))
-    return mask_ok and not args["dropout_p"] and q.shape[2] == k.shape[2]
-
-
-def _is_causal(node) -> bool:
-    return bool(normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs["is_causal"])
-
-
-def _seq_strategies(node, q, k, v, n, backward: bool) -> list[Strategy]:
-    """Sequence-sharded attention, offered wherever it is exact: ring attention, and attention
-    against all-gathered K/V (which holds whole K/V on every rank, saved for the backward). The
-    solver weighs them against Ulysses by the bytes each sends and holds."""
-    if not _seq_attention_ok(node, q, k):
-        return []
-    from ..partition._attention import ring_bytes
-    fwd, bwd = ring_bytes(q, k, v, n, _is_causal(node))
-    s2 = shard(2)
-    m = (R,) * (len(tensor_inputs(node)) - (6 if backward else 3))  # the mask, if any: whole
-    if backward:
-        # the gathered K/V's gradients: partial sums over the query shards
-        return [Strategy((s2, s2, s2), (s2,) * 6 + m, kernel="ring", comm=bwd),
-                Strategy((s2, P, P), (s2, s2, R, R, s2, s2) + m, kernel="kv_gather")]
-    kv = (k.numel() + v.numel()) * k.element_size()
-    return [Strategy((s2, s2), (s2, s2, s2) + m, kernel="ring", comm=fwd, held=kv / n),  # one chunk in flight
-            Strategy((s2, s2), (s2, R, R) + m, kernel="kv_gather", held=kv * (n - 1) / n)]
-
-
-def hybrid_strategies(node: fx.Node, A: Sets, n: int, u: int) -> list[Strategy]:
-    """Hybrid attention on a 2D sp mesh (sub-groups of u ranks): Ulysses within each sub-group,
-    ring across them. Offered where the head counts split over u (each sub-group rank then holds
-    whole grouped-query blocks) and the sequence evenly over the ranks."""
-    fwd = node.target is aten._scaled_dot_product_flash_attention_for_cpu.default
-    if not fwd and node.target is not aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
-        return []
-    q, k, v = (_val(a) for a in (node.args[:3] if fwd else node.args[1:4]))
-    if (shard(2) not in A[0 if fwd else 1] or not _seq_attention_ok(node, q, k) or q.shape[2] % n
-            or q.shape[1] % u or k.shape[1] % u):
-        return []
-    from ..partition._attention import hybrid_bytes
-    fwd_bytes, bwd_bytes = hybrid_bytes(q, k, v, n, u, _is_causal(node))
-    s2 = shard(2)
-    m = (R,) * (len(tensor_inputs(node)) - (3 if fwd else 6))
-    if fwd:
-        kv = (k.numel() + v.numel()) * k.element_size()
-        return [Strategy((s2, s2), (s2, s2, s2) + m, kernel="hybrid", comm=fwd_bytes, held=kv / n)]
-    return [Strategy((s2, s2, s2), (s2,) * 6 + m, kernel="hybrid", comm=bwd_bytes)]
-
-
-@rule(aten._scaled_dot_product_flash_attention_for_cpu.default)
-def _sdpa_cpu(node, A, n):
-    q, k, v = (_val(a) for a in node.args[:3])
-    mask = node.kwargs.get("attn_mask")
-    mask = _val(mask) if isinstance(mask, fx.Node) else None
-    ti = len(tensor_inputs(node))
-    res = [Strategy((R, R), tuple(R for _ in range(ti)))]
-    seq = _seq_strategies(node, q, k, v, n, backward=False)
-    if shard(2) in A[0]:
-        res += seq
-    for dim in (1, 0):
-        if dim == 1 or any(shard(dim) in A[j] for j in range(3)):
-            if dim == 1 and not _heads_split(q, k, n):
-                if q.shape[1] % n and q.shape[1] >= n and not seq:
-                    _heads_error(node, q.shape[1], k.shape[1], n)
-                continue
-            if dim == 0 and not (can_shard(q.shape[0], 1, n) and can_shard(k.shape[0], 1, n)):
-                continue
-            if dim == 0 and k.shape[0] != q.shape[0]:
-                continue
-            m = () if mask is None else ((shard(dim) if mask.shape[dim] == q.shape[dim] and mask.ndim == 4 else R),)
-            res.append(Strategy((shard(dim), shard(dim)), (shard(dim),) * 3 + m, introduces=dim == 1,
-                                kernel="ulysses" if dim == 1 else "batch"))
-    return res
-
-
-@rule(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
-def _sdpa_cpu_bwd(node, A, n):
-    q = _val(node.args[1])
-    mask = node.kwargs.get("attn_mask")
-    mask = _val(mask) if isinstance(mask, fx.Node) else None
-    ti = len(tensor_inputs(node))
-    res = [Strategy((R, R, R), tuple(R for _ in range(ti)))]
-    k, v = _val(node.args[2]), _val(node.args[3])
-    if shard(2) in A[1]:
-        res += _seq_strategies(node, q, k, v, n, backward=True)
-    for dim in (1, 0):
-        if (dim == 1 and _heads_split(q, k, n)) or (any(shard(dim) in A[j] for j in range(6)) and dim == 0
-                                                     and can_shard(q.shape[0], 1, n) and can_shard(k.shape[0], 1, n)):
-            m = () if mask is None else ((shard(dim) if mask.shape[dim] == q.shape[dim] and mask.ndim == 4 else R),)
-            res.append(Strategy((shard(dim),) * 3, (shard(dim),) * 6 + m, introduces=dim == 1,
-                                kernel="ulysses" if dim == 1 else "batch"))
-    return res
-
-
-def _sdpa_seq(node, A, n):
-    """Attention's sequence correspondence: the query's sequence dim is the output's (and the
-    log-sum-exp's); the gradients' are the inputs'. Not a strategy: the causal mask is global."""
-    fwd = node.target is aten._scaled_dot_product_flash_attention_for_cpu.default
-    ti = len(tensor_inputs(node))
-    res = []
-    for d, sf in _shards(A[0 if fwd else 1]):
-        if d == 2:
-            p = shard(2, sf)
-            outs = (p, p) if fwd else (p, p, p)
-            res.append(Strategy(outs, tuple(p if j < (3 if fwd else 6) else R for j in range(ti))))
-    return res
-
-
-_SEQ_PROVENANCE = {
-    aten._scaled_dot_product_flash_attention_for_cpu.default: _sdpa_seq,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _sdpa_seq,
-    # a softmax over the key positions still carries them (hand-written attention)
-    **{op: _elementwise for op in (aten._softmax.default, aten._log_softmax.default,
-                                   aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)},
-}
-
-
-# ---------------------------------------------------------------------------------------------
 # factories: computed whole on every rank (cheap, sequence-sized at most), sliced where needed
 
 @rule(aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default,
@@ -762,15 +552,11 @@ def _factory(node, A, n):
     return [Strategy((R,), tuple(R for _ in ins))]
 
 
-# ---------------------------------------------------------------------------------------------
-# the autosp annotation: a hard constraint, or (for shard()'s inputs) a permission
 
-def _annotate(node, A, n):
-    from ..annotations._spec import parse_placement
-    p = parse_placement(node.args[1])
-    if node.args[2]:
-        return [Strategy((p,), (p,), introduces=True)]
-    return [Strategy((R,), (R,)), Strategy((p,), (p,), introduces=True)]
+
+# a softmax over the key positions still carries them (hand-written attention)
+provenance(aten._softmax.default, aten._log_softmax.default, aten._softmax_backward_data.default,
+           aten._log_softmax_backward_data.default)(_elementwise)
 
 
 def strategies_for(node: fx.Node, A: Sets, n: int, mesh=None, provenance: bool = False) -> list[Strategy] | None:
@@ -778,16 +564,13 @@ def strategies_for(node: fx.Node, A: Sets, n: int, mesh=None, provenance: bool =
     rule (ours or DTensor's) knows the op. With ``provenance``, also correspondences that are not
     executable (attention: query sequence in, query sequence out), for tracking the sequence."""
     op = node.target
-    if provenance and op in _SEQ_PROVENANCE:
-        return _SEQ_PROVENANCE[op](node, A, n)
-    if op is torch.ops.autosp.annotate.default:
-        return _annotate(node, A, n)
+    if provenance and op in PROVENANCE:
+        return PROVENANCE[op](node, A, n)
     fn = RULES.get(op)
     if fn is not None:
         return fn(node, A, n)
     if _is_pointwise(op):
         return _elementwise(node, A, n)
-    from ._dtensor import dtensor_strategies
     return dtensor_strategies(node, A, n, mesh)
 
 

@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.utils.stateless import _reparametrize_module
 
-from ..partition._fsdp import fsdp_gather
+from ..partition._fsdp import GatherArgs, fsdp_gather
 
 __all__ = ["FsdpParams", "find_fsdp", "detach_forward_hooks"]
 
@@ -80,7 +80,7 @@ def _ranks(group) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class _Param:
     param: DTensor
-    args: tuple  # fsdp_gather's arguments after the shard
+    args: GatherArgs
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class FsdpParams:
 
     def call(self, shards, fn, args, kwargs):
         """``fn(*args, **kwargs)`` with the modules' parameters gathered from ``shards`` (traced)."""
-        fulls = [fsdp_gather(s, *p.args) for s, p in zip(shards, self.params)]
+        fulls = [fsdp_gather(s, **p.args._asdict()) for s, p in zip(shards, self.params)]
 
         def run(i: int):
             if i == len(self.tops):
@@ -225,8 +225,9 @@ def find_fsdp(fn, mesh) -> FsdpParams | None:
                                       "every rank")
                 d = p.placements[i].dim
                 dtype = mp.param_dtype or p.dtype
-                params.append(_Param(p, (d, p.shape[d], len(ranks), outer, mesh.dp_size, reshard, dtype,
-                                         mp.reduce_dtype or dtype, group.group_name)))
+                params.append(_Param(p, GatherArgs(dim=d, size=p.shape[d], world=len(ranks), outer=outer,
+                                                   divide=mesh.dp_size, reshard=reshard, dtype=dtype,
+                                                   reduce_dtype=mp.reduce_dtype or dtype, group=group.group_name)))
     names = []
     for top in tops:
         by_id: dict[int, list[str]] = {}

@@ -1,0 +1,62 @@
+"""Graph helpers every stage uses: a node's outputs and tensor inputs, its arguments by name, its
+bytes, and which ops are attention. A leaf: it imports nothing from autosp."""
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.operator_schemas import normalize_function
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["out_vals", "tensor_inputs", "op_args", "nbytes", "out_bytes", "is_attention", "is_attention_backward",
+           "ATTENTION_OPS", "SDPA_CPU", "SDPA_CPU_BACKWARD"]
+
+aten = torch.ops.aten
+
+SDPA_CPU = aten._scaled_dot_product_flash_attention_for_cpu.default
+SDPA_CPU_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+# attention op -> whether it is a backward; autosp's ring attention ops (``partition._attention``)
+# register themselves here where they are defined
+ATTENTION_OPS: dict[Any, bool] = {SDPA_CPU: False, SDPA_CPU_BACKWARD: True}
+
+
+def is_attention(target) -> bool:
+    """Whether ``target`` is an attention kernel (forward or backward)."""
+    return target in ATTENTION_OPS
+
+
+def is_attention_backward(target) -> bool:
+    return ATTENTION_OPS.get(target, False)
+
+
+def out_vals(node: fx.Node) -> list:
+    """The node's outputs as a flat list of fake tensors (None where an output is not a tensor)."""
+    val = node.meta.get("val")
+    vals = list(val) if isinstance(val, (tuple, list)) else [val]
+    return [v if isinstance(v, torch.Tensor) else None for v in vals]
+
+
+def tensor_inputs(node: fx.Node) -> list[tuple[fx.Node, int]]:
+    """Each tensor-valued input occurrence as (producer, output index), in argument order."""
+    if node.target is operator.getitem:
+        return [(node.args[0], node.args[1])]
+    leaves, _ = tree_flatten((node.args, node.kwargs))
+    return [(a, 0) for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+def op_args(node: fx.Node) -> dict[str, Any]:
+    """Every argument of an op node by its schema name, defaults filled in."""
+    return normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
+
+
+def nbytes(t: torch.Tensor) -> int:
+    """A tensor's bytes as laid out densely (what a collective moves)."""
+    return math.prod(t.shape) * t.element_size()
+
+
+def out_bytes(node: fx.Node) -> int:
+    """The bytes of all of a node's tensor outputs."""
+    return sum(nbytes(v) for v in out_vals(node) if v is not None)

@@ -1,0 +1,98 @@
+"""Cross-rank checks at compile time: every rank of an sp group must build the same plan, issue
+the same collectives in the same order, and take the same checkpointing decision; a difference
+would be a hang (or a gloo abort) in the first step, so it is an error at compile time instead.
+
+The exchanges go through the c10d store, not a collective on the sp group: they take no slot in
+the group's collective sequence, and cannot deadlock with the gloo transport mid-compile (an
+all_gather_object here hung intermittently on gloo with 2 and 4 ranks).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+
+import torch.distributed as dist
+import torch.fx as fx
+
+from .._context import SpContext
+from ..errors import PlanError
+from ..partition._fsdp import FSDP_OPS
+from ._plan import Plan
+
+__all__ = ["check_same_plan", "check_same_schedule", "largest_peaks"]
+
+log = logging.getLogger("autosp")
+
+_exchanges: dict[str, int] = {}  # store exchanges so far, per process group and kind
+
+
+def _exchange(ctx: SpContext, kind: str, value: str) -> list[str] | None:
+    """Every sp rank's ``value``, in rank order, through the c10d store (None on a single rank
+    or a fake process group)."""
+    group = ctx.process_group
+    if ctx.n == 1 or dist.get_backend(group) == "fake":
+        return None
+    key = f"{kind}/{group.group_name}"
+    k = _exchanges[key] = _exchanges.get(key, 0) + 1
+    base = dist.distributed_c10d._get_default_store()
+    store = dist.PrefixStore(f"autosp/{key}/{k}/", base)
+    ranks = [str(r) for r in dist.get_process_group_ranks(group)]
+    store.set(str(dist.get_rank()), value)
+    try:
+        store.wait(ranks, base.timeout)
+    except RuntimeError as e:
+        raise PlanError(None, f"not every rank of the sp group compiled this step within {base.timeout} ({e})",
+                        "call the sharded step on every rank of the group, with the same arguments") from e
+    return [store.get(r).decode() for r in ranks]
+
+
+def largest_peaks(ctx: SpContext):
+    """A function of this rank's predicted peak per checkpointing rung that returns, per rung,
+    the largest over the sp ranks: a budget is held against the rank that needs most."""
+    def largest(peaks: list[int]) -> list[int]:
+        got = _exchange(ctx, "peaks", ",".join(map(str, peaks)))
+        if got is None:
+            return peaks
+        per_rank = [[int(x) for x in v.split(",")] for v in got]
+        if len({len(p) for p in per_rank}) != 1:
+            raise PlanError(None, f"the sp ranks built different checkpointing ladders ({[len(p) for p in per_rank]} "
+                            "rungs)", "call the sharded step with identical, full inputs on every rank of the group")
+        return [max(col) for col in zip(*per_rank)]
+    return largest
+
+
+def _collective_order(*graphs: fx.GraphModule) -> list[list[str]]:
+    """The collectives each graph issues, in order: op, and process group numbered by first use
+    (ranks of different sub-groups of a 2D sp mesh use different groups in the same roles)."""
+    groups: dict[str, int] = {}
+    return [[f"{nd.target}@{groups.setdefault(str(nd.args[-1]), len(groups))}" for nd in g.graph.nodes
+             if nd.op == "call_function" and ("_c10d_functional" in str(nd.target) or nd.target in FSDP_OPS)
+             and "wait_tensor" not in str(nd.target)]
+            for g in graphs]
+
+
+def check_same_schedule(fw: fx.GraphModule, bw: fx.GraphModule, ctx: SpContext) -> None:
+    """The partitioned graphs must issue the same collectives in the same order on every rank.
+    The per-rank graphs differ in their compute (uneven shards, ring attention's blocks), and the
+    partitioner decides per rank which graph a node goes to."""
+    order = _collective_order(fw, bw)
+    digest = hashlib.sha256(repr(order).encode()).hexdigest()
+    got = _exchange(ctx, "schedule", f"{digest} {len(order[0])} {len(order[1])}")
+    if got is not None and len({g.split()[0] for g in got}) != 1:
+        raise PlanError(None, "the sp ranks' partitioned graphs issue different collectives (forward, backward counts "
+                        f"per rank: {[tuple(g.split()[1:]) for g in got]}); running them would hang",
+                        "this is an autosp bug; please report it with AUTOSP_DEBUG=1 output. checkpoint='none' may "
+                        "avoid it meanwhile")
+
+
+def check_same_plan(plan: Plan, ctx: SpContext) -> None:
+    """Every rank must run the same collectives: compare plan fingerprints once per compile."""
+    digest = hashlib.sha256(repr([(c.kind, c.src, c.dst, c.shape) for c in plan.collectives]).encode()).hexdigest()
+    if os.environ.get("AUTOSP_DEBUG") == "1":
+        log.warning("autosp plan check on %s: %d collectives", ctx.group, len(plan.collectives))
+    digests = _exchange(ctx, "plan", digest)
+    if digests is not None and len(set(digests)) != 1:
+        raise PlanError(None, f"the sp ranks built different plans (fingerprints {[d[:12] for d in digests]}); a rank "
+                        "saw other shapes or code", "call the sharded step with identical, full inputs on every rank "
+                        "of the group")

@@ -1,0 +1,218 @@
+"""The runtime of a sharded step: ``ShardedStep`` (what ``autosp.shard`` returns) marks the
+sharded inputs, compiles once per mesh with the autosp backend, slices each dp replica's batch,
+hands FSDP2's shards to the graph, and turns torch's failures into autosp's errors."""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch.distributed.tensor import Shard
+
+from .._context import Options
+from ..errors import GraphBreakError, PlanError, user_frame
+from ..propagate._annotate import annotate_placement
+from ._backend import make_backend
+from ._fsdp import FsdpParams, find_fsdp
+
+__all__ = ["ShardedStep", "SeqSpec"]
+
+_SHARDS = "__autosp_fsdp_shards"  # the keyword the step receives FSDP2 shards under
+
+SeqSpec = bool | str | Sequence[str] | Mapping[str, int]
+
+
+def _seq_dim(seq: SeqSpec, name: str, value: Any) -> int | None:
+    if not isinstance(value, torch.Tensor):
+        return None
+    if seq is True:
+        return 1 if value.ndim >= 2 else None
+    if seq is False or seq is None:
+        return None
+    if isinstance(seq, str):
+        seq = [seq]
+    if isinstance(seq, Mapping):
+        return seq.get(name)
+    return 1 if name in seq else None
+
+
+def _map_inputs(fn: Callable, seq: SeqSpec, args, kwargs, mark):
+    """Apply ``mark(name, value, seq_dim)`` to every tensor argument that ``seq`` shards."""
+    sig = inspect.signature(fn)
+    bound = sig.bind(*args, **kwargs)
+
+    def one(name, value):
+        dim = _seq_dim(seq, name, value)
+        return value if dim is None else mark(name, value, dim % value.ndim)
+
+    for name, param in sig.parameters.items():
+        if name not in bound.arguments:
+            continue
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            bound.arguments[name] = {k: one(k, v) for k, v in bound.arguments[name].items()}
+        elif param.kind is inspect.Parameter.VAR_POSITIONAL:
+            bound.arguments[name] = tuple(one(f"{name}[{i}]", v) for i, v in enumerate(bound.arguments[name]))
+        else:
+            bound.arguments[name] = one(name, bound.arguments[name])
+    return bound.args, bound.kwargs
+
+
+def _check_inputs(fn: Callable, seq: SeqSpec, n: int, args, kwargs) -> None:
+    """Sequence dims need not divide by n (shards are then uneven, balanced), but must exist."""
+    def check(name, value, dim):
+        if value.ndim <= dim or value.shape[dim] == 0:
+            raise PlanError(None, f"input {name!r} of {getattr(fn, '__qualname__', fn)} has shape {tuple(value.shape)}: "
+                            f"it has no sequence dim {dim} to shard over sp={n}",
+                            "pass a non-empty sequence, or name the sharded inputs and dims with shard(seq=...)")
+        return value
+
+    _map_inputs(fn, seq, args, kwargs, check)
+
+
+def _graph_break(e: Exception) -> GraphBreakError:
+    where = user_frame(str(e))
+    where = f" at {where}" if where else ""
+    first = next((line.strip() for line in str(e).strip().splitlines() if line.strip()), "")
+    if "_fully_shard" in str(e):
+        return GraphBreakError(None, f"an FSDP2 module (fully_shard) ran inside the step{where}, but autosp did not "
+                               "find it through the step function, so its hooks broke the graph",
+                               "pass the module to autosp.shard(model), or reach it from the step function's "
+                               "closure, globals or a bound method's object")
+    return GraphBreakError(None, f"the step cannot be captured as one graph (graph break){where}: {first}",
+                           "rewrite that line with torch ops (no data-dependent Python control flow, "
+                           "no .item()/.tolist(), no print)")
+
+
+def _unwrap_errors(call):
+    try:
+        return call()
+    except torch._dynamo.exc.BackendCompilerFailed as e:
+        inner = getattr(e, "inner_exception", None)
+        if isinstance(inner, (PlanError, _PlanCaptured)):
+            raise inner.with_traceback(None) from None
+        raise
+    except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
+        raise _graph_break(e) from None
+    except RuntimeError as e:
+        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+            raise PlanError(None, f"a collective of the sharded step timed out ({str(e).splitlines()[0]})",
+                            "every rank of the sp group must run the same steps with the same shapes; "
+                            "check for a rank that skipped or changed a step") from e
+        raise
+
+
+class _PlanCaptured(Exception):
+    def __init__(self, plan):
+        self.plan = plan
+
+
+class ShardedStep:
+    """The callable ``autosp.shard`` returns: compiles once per mesh and input shapes, then runs.
+    ``mesh``: returns the current ``autosp.Mesh`` (or None outside one)."""
+
+    def __init__(self, fn: Callable, seq: SeqSpec, options: Options, mesh: Callable[[], Any]):
+        self.fn, self.seq, self.options, self._current_mesh = fn, seq, options, mesh
+        self._compiled: dict[int, Callable] = {}
+        self._fsdp_params: dict[int, FsdpParams | None] = {}
+        self.plan = None  # the Plan of the latest compile, as autosp.explain shows it
+        functools.update_wrapper(self, fn)
+
+    def _record(self, plan) -> None:
+        self.plan = plan
+
+    def _step(self, m, on_plan=None) -> Callable:
+        fsdp = self._fsdp(m)
+
+        def step(*args, **kwargs):
+            shards = kwargs.pop(_SHARDS, None)
+            args, kwargs = _map_inputs(self.fn, self.seq, args, kwargs,
+                                       lambda name, value, dim: annotate_placement(value, Shard(dim), False))
+            if shards is not None:
+                return fsdp.call(shards, self.fn, args, kwargs)
+            return self.fn(*args, **kwargs)
+
+        # Dynamo caches compiled code per code object, and every ShardedStep shares this `step`:
+        # a copy per instance keeps their caches apart (else the 9th sharded function would hit
+        # the recompile limit and silently run eager, unsharded).
+        step.__code__ = step.__code__.replace()
+        if m.sp_size == 1 and m.dp_size == 1 and on_plan is None:
+            backend = "inductor" if self.options.compiler == "inductor" else "aot_eager"
+        else:
+            backend = make_backend(m, self.options, on_plan or self._record)
+        return torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
+
+    def _fsdp(self, m):
+        """The FSDP2 parameters the function reaches (None without), found once per mesh."""
+        key = id(m.device_mesh)
+        if key not in self._fsdp_params:
+            self._fsdp_params[key] = find_fsdp(self.fn, m)
+        return self._fsdp_params[key]
+
+    def _run(self, m, step: Callable, args, kwargs):
+        fsdp = self._fsdp(m)
+        if fsdp is None:
+            return _unwrap_errors(lambda: step(*args, **kwargs))
+        fsdp.check_sync()
+        with fsdp.hooks_suspended():
+            return _unwrap_errors(lambda: step(*args, **{**kwargs, _SHARDS: fsdp.shards()}))
+
+    def _mesh(self):
+        m = self._current_mesh()
+        if m is None:
+            raise RuntimeError("autosp: call the sharded function inside `with autosp.mesh(sp=N):`")
+        return m
+
+    def _dp_slice(self, m, args, kwargs):
+        """Each dp replica takes its slice of the global batch (dim 0 of the sharded inputs)."""
+        dp, r = m.dp_size, m.dp_rank
+
+        def cut(name, value, dim):
+            if value.requires_grad:
+                raise ValueError(f"autosp: input {name!r} requires grad; with dp > 1 only parameters may "
+                                 "(its gradient would be a slice of the batch)")
+            if dim == 0:
+                raise ValueError(f"autosp: input {name!r} has its sequence on dim 0; with dp > 1 dim 0 is the "
+                                 "batch that the dp replicas split: put the sequence on dim 1 (or another dim)")
+            if value.shape[0] % dp:
+                raise ValueError(f"autosp: input {name!r} has shape {tuple(value.shape)}: its batch dim 0 "
+                                 f"({value.shape[0]}) must divide by dp={dp}, each dp replica taking an equal "
+                                 "slice; pass a global batch that is a multiple of dp")
+            return value.tensor_split(dp)[r]
+
+        return _map_inputs(self.fn, self.seq, args, kwargs, cut)
+
+    def _prepared(self, args, kwargs):
+        """(mesh, args, kwargs): the inputs checked, and with dp > 1 this replica's slice."""
+        m = self._mesh()
+        _check_inputs(self.fn, self.seq, m.sp_size, args, kwargs)
+        if m.dp_size > 1:
+            args, kwargs = self._dp_slice(m, args, kwargs)
+        return m, args, kwargs
+
+    def __call__(self, *args, **kwargs):
+        m, args, kwargs = self._prepared(args, kwargs)
+        key = id(m.device_mesh)
+        if key not in self._compiled:
+            self._compiled[key] = self._step(m)
+        out = self._run(m, self._compiled[key], args, kwargs)
+        if m.sp_size * m.dp_size > 1 and self.plan is None and torch.is_grad_enabled():
+            raise RuntimeError("autosp: the step ran without the autosp backend (nothing required grad, or Dynamo "
+                               "fell back to eager); the results were computed unsharded")
+        return out
+
+    def explain(self, *args, **kwargs):
+        """The plan of one call, without running the step (see ``autosp.explain``)."""
+        m, args, kwargs = self._prepared(args, kwargs)
+
+        def capture(plan):
+            raise _PlanCaptured(plan)
+
+        step = self._step(m, on_plan=capture)
+        try:
+            self._run(m, step, args, kwargs)
+        except _PlanCaptured as e:
+            return e.plan
+        finally:
+            torch._dynamo.reset()
+        raise RuntimeError("autosp: explain found no backward graph: do the inputs or parameters require grad?")

@@ -1,0 +1,167 @@
+"""Propagation: every node's candidate strategies, seeded from the annotations.
+
+Forward from the annotations, back from what ops ask of their inputs, forward again (Shardy's
+bidirectional propagation, two sweeps): attention asks for heads, and that request travels back
+through the reshapes of grouped-query K/V to where it is cheapest to meet. Parameters never start
+a sharding (``_justified``): plans stay sequence-parallel and never drift into tensor parallelism.
+Alongside, ``seq`` tracks along which placements each value carries the annotated sequence
+(provenance, not sizes): the solver weighs those bytes as at long context.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from .._context import SpContext
+from .._graph import out_vals, tensor_inputs
+from ..errors import PlanError
+from ._annotate import ANNOTATE
+from ._attention import hybrid_strategies
+from ._placement import P, R, can_shard, is_shard, shard, shard_spec
+from ._rules import strategies_for
+from ._strategy import Strategy
+
+__all__ = ["Candidates", "propagate"]
+
+Key = tuple[fx.Node, int]  # a value: (producer, output index)
+
+
+@dataclass(slots=True)
+class Candidates:
+    """Per node: the strategies it may take, the placements each of its outputs may take
+    (``reach``), and the placements along which it carries the annotated sequence (``seq``);
+    ``no_rule``: the nodes no rule knows (they run replicated)."""
+
+    strategies: dict[fx.Node, list[Strategy]] = field(default_factory=dict)
+    reach: dict[Key, frozenset] = field(default_factory=dict)
+    seq: dict[Key, frozenset] = field(default_factory=dict)
+    no_rule: set[fx.Node] = field(default_factory=set)
+
+
+def propagate(gm: fx.GraphModule, ctx: SpContext) -> Candidates:
+    """Candidate strategies for every node of the joint graph (see the module docstring).
+    ``ctx.options.attention`` other than "auto" keeps only that kernel's strategies for attention
+    ops; a 2D sp mesh (``ctx.ulysses`` > 1) offers hybrid attention too."""
+    first = _forward(gm, ctx, {})
+    return _forward(gm, ctx, _wants(gm, first, ctx))
+
+
+def _activation(reach: frozenset) -> bool:
+    """On the sharded data path: some placement other than Replicate reached it."""
+    return any(p != R for p in reach)
+
+
+def _seq_carrying(node: fx.Node, seq_in: list[frozenset], ctx: SpContext) -> list[frozenset]:
+    """Provenance: along which (dim, split factor) each output carries the annotated sequence.
+    Follows the rules with only sequence shardings as input, plus the attention rules' own
+    sequence correspondence (query positions in, query positions out), which no executable
+    strategy has."""
+    if not any(seq_in):
+        return [frozenset() for _ in out_vals(node)]
+    strats = strategies_for(node, [sq | {R} for sq in seq_in], ctx.n, ctx.mesh, provenance=True) or []
+    out = []
+    for i, v in enumerate(out_vals(node)):
+        out.append(frozenset(s.outs[i] for s in strats if v is not None and is_shard(s.outs[i])
+                             and any(is_shard(q) and q in seq_in[j] for j, q in enumerate(s.ins))))
+    return out
+
+
+def _justified(s: Strategy, reach) -> bool:
+    """A strategy may shard or partial its outputs only because an activation input is sharded
+    (or because its rule introduces a sharding, like attention heads): parameters never start a
+    sharding, so plans stay sequence-parallel and never drift into tensor parallelism."""
+    if s.introduces or all(o is None or o == R for o in s.outs):
+        return True
+    return any(q != R and _activation(reach[j]) for j, q in enumerate(s.ins))
+
+
+def _forced(node: fx.Node, strats: list[Strategy], attention: str) -> list[Strategy]:
+    """The strategies of the forced attention kernel (attention ops only, and only while the
+    query's sequence reached it: before that, the op runs replicated as it would anyway)."""
+    if attention == "auto" or not any(s.kernel for s in strats):
+        return strats
+    kept = [s for s in strats if s.kernel == attention]
+    if not kept:
+        have = sorted({str(s.kernel) for s in strats if s.kernel})
+        raise PlanError(node, f"attention={attention!r} cannot run this attention op exactly (it can run as {have}); "
+                        "ring and kv_gather need self-attention without dropout, ulysses needs head counts that "
+                        "split over the ranks, hybrid a 2D sp mesh (autosp.mesh(ulysses=...)) whose sub-groups "
+                        "split the head counts, and a length that splits evenly over the ranks",
+                        f"use attention='auto' or one of {have}")
+    return kept
+
+
+def _seed(c: Candidates, node: fx.Node) -> None:
+    """Inputs, and constants lifted into the graph: replicated, carrying no sequence."""
+    if isinstance(node.meta.get("val"), torch.Tensor):
+        c.strategies[node] = [Strategy((R,), ())]
+        c.reach[(node, 0)] = frozenset([R])
+        c.seq[(node, 0)] = frozenset()
+
+
+def _forward(gm: fx.GraphModule, ctx: SpContext, wanted: dict) -> Candidates:
+    c = Candidates()
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            _seed(c, node)
+        elif node.op == "call_function":
+            _visit(c, node, ctx, wanted)
+    return c
+
+
+def _visit(c: Candidates, node: fx.Node, ctx: SpContext, wanted: dict) -> None:
+    """One node of the forward sweep: its sequence provenance, strategies and reach."""
+    n = ctx.n
+    ins = tensor_inputs(node)
+    reach = [c.reach[(u, i)] for u, i in ins]
+    seq_in = [c.seq[(u, i)] for u, i in ins]
+    for i, sq in enumerate(_seq_carrying(node, seq_in, ctx)):
+        c.seq[(node, i)] = sq
+    if node.target is ANNOTATE:  # where the annotated sequence starts
+        c.seq[(node, 0)] = frozenset(s.outs[0] for s in strategies_for(node, reach, n, ctx.mesh) if is_shard(s.outs[0]))
+    # an input may be asked for what reached it, any layout that carries the sequence (an
+    # all-to-all away: how Ulysses goes back from heads to sequence after attention), or what
+    # a later op wants of it
+    A = [r | sq | wanted.get(key, frozenset()) for r, sq, key in zip(reach, seq_in, ins)]
+    strats = strategies_for(node, A, n, ctx.mesh)
+    if strats is not None and ctx.ulysses > 1:
+        strats = strats + hybrid_strategies(node, A, n, ctx.ulysses)
+    if strats is None:
+        c.no_rule.add(node)
+        strats = [Strategy(tuple(R if v is not None else None for v in out_vals(node)), tuple(R for _ in ins))]
+    strats = _forced(node, [s for s in strats if _justified(s, reach)], ctx.options.attention)
+    c.strategies[node] = strats
+    for i, v in enumerate(out_vals(node)):
+        if v is not None:
+            c.reach[(node, i)] = frozenset(s.outs[i] for s in strats)
+
+
+def _wants(gm: fx.GraphModule, c: Candidates, ctx: SpContext) -> dict:
+    """Placements later ops ask of each value that propagation did not reach, carried back
+    through the ops that could produce them from another layout of their inputs."""
+    n = ctx.n
+    wanted: dict[Key, set] = defaultdict(set)
+    for node, strats in c.strategies.items():
+        for s in strats:
+            if s.introduces:
+                for key, q in zip(tensor_inputs(node), s.ins):
+                    if q not in c.reach[key]:
+                        wanted[key].add(q)
+    for node in reversed(list(gm.graph.nodes)):
+        if node.op != "call_function":
+            continue
+        ins = tensor_inputs(node)
+        for i, v in enumerate(out_vals(node)):
+            for p in sorted(wanted.get((node, i), ()), key=str):
+                sfs = {1} | ({shard_spec(p)[1]} if is_shard(p) else set())
+                A = [frozenset([R, P] + [shard(d, sf) for d in range(out_vals(u)[j].ndim) for sf in sorted(sfs)
+                                         if can_shard(out_vals(u)[j].shape[d], sf, n)]) for u, j in ins]
+                for s in strategies_for(node, A, n, ctx.mesh) or []:
+                    if s.outs[i] == p:
+                        for key, q in zip(ins, s.ins):
+                            if q != R and q not in c.reach[key]:
+                                wanted[key].add(q)
+    return {k: frozenset(v) for k, v in wanted.items()}

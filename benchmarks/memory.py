@@ -95,11 +95,17 @@ def measure(system: str, seq: int, args) -> dict:
                PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "benchmarks.memory", "--one", json.dumps(
         [system, seq, args.sp, args.budget, args.compiler, args.steps, args.attn])]
-    out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
-    lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
+    try:
+        out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    except subprocess.TimeoutExpired as e:
+        return {"system": system, "seq": seq, "sp": args.sp, "error": "timed out after 1800 s",
+                "traceback": (e.stderr or b"").decode(errors="replace")[-4000:] if isinstance(e.stderr, bytes)
+                else (e.stderr or "")[-4000:]}
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if not lines:
-        tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"system": system, "seq": seq, "sp": args.sp, "error": tail[:300]}
+        tail = out.stderr.strip().splitlines() or ["no output"]
+        return {"system": system, "seq": seq, "sp": args.sp, "error": tail[-1][:300],
+                "traceback": "\n".join(tail[-40:])}
     rec = json.loads(lines[-1])
     print(json.dumps(rec), flush=True)
     return rec

@@ -10,7 +10,8 @@ for one model, mesh and set of sequence lengths, in one run.
     python -m benchmarks.run --sp 4 --ulysses 2 --systems autosp,autosp_hybrid ...      # hybrid attention
 
 Every configuration runs in fresh processes (one per rank), so compile time and peak memory are
-its own. Communication is what gloo/NCCL actually ran in one step (torch.profiler's collective
+its own; a configuration whose worker fails, dies or hangs (``--timeout``) gets a record with the
+error and the worker's traceback (``results.json``), and the run goes on. Communication is what gloo/NCCL actually ran in one step (torch.profiler's collective
 events, elements x 4 bytes: the models are fp32), never autosp's plan. Peak memory is the growth
 of the peak over the memory held after warm-up (parameters and gradients), during the timed
 steps: activations, temporaries and communication buffers. On CPU that is RSS, with glibc told
@@ -20,18 +21,23 @@ to mmap every allocation over 64 KiB so that RSS follows the live tensors, and
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import platform
+import signal
 import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parent.parent
 
 PRESETS = {
     # dim, layers, heads, kv_heads, ffn, vocab
@@ -88,11 +94,55 @@ def _comm_bytes(prof, element_size: int) -> int:
     return total
 
 
-def _worker(rank: int, world: int, port: int, cfg: dict, q) -> None:
+def _kill_here(rank: int, call: int) -> None:
+    """Test hook: ``AUTOSP_BENCH_KILL="rank:call"`` kills that rank at that call of the step (1 =
+    the first), as a crash mid-run would."""
+    spec = os.environ.get("AUTOSP_BENCH_KILL")
+    if spec and tuple(map(int, spec.split(":"))) == (rank, call):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _measure(run, ids, cfg: dict, rank: int) -> dict:
+    """Compile (the first call), warm up, then time ``cfg["steps"]`` steps and profile one."""
+    device, calls = cfg["device"], 0
+
+    def step():
+        nonlocal calls
+        calls += 1
+        _kill_here(rank, calls)
+        return run()
+
+    t0 = time.perf_counter()
+    loss = step()
+    compile_time = time.perf_counter() - t0
+    for _ in range(cfg["warmup"] - 1):
+        step()
+    # after compilation (whose own memory is not the step's) and with gradients allocated
+    held = _held_bytes(run.model, getattr(run, "optimizer", None))
+    base = _reset_peak(device)
+    times = []
+    for _ in range(cfg["steps"]):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    peak = _peak(device) - base
+    with torch.profiler.profile(record_shapes=True) as prof:
+        step()
+    med = statistics.median(times)
+    return dict(step_time_s=med, tokens_per_s=ids.numel() / med, compile_time_s=max(compile_time - med, 0.0),
+                comm_bytes_per_step=_comm_bytes(prof, 4), peak_mem_bytes=peak, held_bytes=held, base_mem_bytes=base,
+                loss=loss, error=None)
+
+
+def _worker(rank: int, world: int, port: int, cfg: dict) -> dict:
+    """One rank of one configuration (in a process of its own): its record."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(cfg["threads"])
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import torch.distributed as dist
 
     import autosp
@@ -109,43 +159,20 @@ def _worker(rank: int, world: int, port: int, cfg: dict, q) -> None:
         if dp > 1 and not cfg["system"].startswith("autosp"):
             raise ValueError(f"{cfg['system']} runs sequence parallel only (no dp)")
         sp = world // dp if not cfg["rank_local"] else cfg["sp"]
-        with autosp.mesh(sp=sp, dp=dp, ulysses=cfg.get("ulysses") if world > 1 else None) as mesh:
+        with autosp.mesh(sp=sp, dp=dp, ulysses=cfg.get("ulysses") if world > 1 else None, timeout_s=cfg["timeout"]) \
+                as mesh:
             torch.manual_seed(0)
             model = Llama(LlamaConfig(**PRESETS[cfg["preset"]])).to(device)
             g = torch.Generator().manual_seed(1)
             ids = torch.randint(0, model.c.vocab, (cfg["batch"], cfg["seq"]), generator=g).to(device)
             run = SYSTEMS[cfg["system"]](model, ids, ids.clone(), mesh, cfg["compiler"])
-            t0 = time.perf_counter()
-            loss = run()
-            compile_time = time.perf_counter() - t0
-            for _ in range(cfg["warmup"] - 1):
-                run()
-            # after compilation (whose own memory is not the step's) and with gradients allocated
-            held = _held_bytes(model, getattr(run, "optimizer", None))
-            base = _reset_peak(device)
-            times = []
-            for _ in range(cfg["steps"]):
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                t = time.perf_counter()
-                run()
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - t)
-            peak = _peak(device) - base
-            with torch.profiler.profile(record_shapes=True) as prof:
-                run()
-            step = statistics.median(times)
-            record.update(step_time_s=step, tokens_per_s=ids.numel() / step,
-                          compile_time_s=max(compile_time - step, 0.0), comm_bytes_per_step=_comm_bytes(prof, 4),
-                          peak_mem_bytes=peak, held_bytes=held, base_mem_bytes=base, loss=loss, error=None)
+            run.model = model
+            record.update(_measure(run, ids, cfg, rank))
     except Exception as e:  # noqa: BLE001 - a system that cannot run is a result too
-        record.update(error=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}" if str(e).strip() else type(e).__name__)
-        if os.environ.get("AUTOSP_BENCH_TRACE"):
-            traceback.print_exc()
-    q.put((rank, record))
-    if dist.is_initialized():
-        dist.destroy_process_group()
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        record.update(error=f"{type(e).__name__}: {first}" if first else type(e).__name__,
+                      traceback=traceback.format_exc())
+    return record
 
 
 def _free_port() -> int:
@@ -154,36 +181,73 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _tail(path: Path, lines: int = 40) -> str:
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def _wait(procs: list[subprocess.Popen], timeout: float, grace: float = 10.0) -> str | None:
+    """Wait for every worker; None when all exited, else why they were stopped: a worker died
+    (the others, likely waiting on it in a collective, get ``grace`` seconds), or the deadline
+    passed. Stopped workers first dump their Python stacks (SIGUSR1, faulthandler)."""
+    deadline, why = time.monotonic() + timeout, None
+    while any(p.poll() is None for p in procs):
+        dead = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode not in (None, 0)]
+        if dead and why is None:
+            why = "worker(s) died (rank, exit code): " + ", ".join(f"({r}, {c})" for r, c in dead)
+            deadline = min(deadline, time.monotonic() + grace)
+        if time.monotonic() > deadline:
+            why = why or f"timed out after {timeout:.0f} s"
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGUSR1)
+            time.sleep(2.0)
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            break
+        time.sleep(0.2)
+    for p in procs:
+        p.wait()
+    dead = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
+    if why is None and dead:
+        why = "worker(s) failed (rank, exit code): " + ", ".join(f"({r}, {c})" for r, c in dead)
+    return why
+
+
 def run_config(cfg: dict, timeout: float) -> dict:
+    """One configuration, one fresh process per rank. A worker that fails, dies or hangs ends the
+    configuration's record with the error and its traceback (or the tail of its output)."""
     world = 1 if cfg["system"] == "single" or cfg["rank_local"] else cfg["sp"] * cfg.get("dp", 1)
+    port = _free_port()
+    base = {k: cfg[k] for k in ("system", "seq", "sp")} | {"dp": cfg.get("dp", 1)}
     # glibc keeps freed heap pages, so RSS would not fall after a step; with every allocation
     # over 64 KiB mmapped (and unmapped on free), RSS follows the live tensors
-    os.environ.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, cfg, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    records = []
-    deadline = time.time() + timeout
-    try:
-        for _ in range(world):
-            records.append(q.get(timeout=max(deadline - time.time(), 1)))
-    except Exception:  # noqa: BLE001
-        records.append((0, {**{k: cfg[k] for k in ("system", "seq", "sp")}, "error": f"timed out after {timeout:.0f} s"}))
-    for p in procs:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
-    by_rank = dict(records)
-    rec = by_rank.get(0) or next(iter(by_rank.values()))
-    errors = [r.get("error") for r in by_rank.values() if r.get("error")]
-    if errors:
-        rec["error"] = errors[0]
-    elif len(by_rank) > 1:
-        for k in ("peak_mem_bytes", "held_bytes", "base_mem_bytes"):
-            rec[k] = max(r[k] for r in by_rank.values())
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    with tempfile.TemporaryDirectory(prefix="autosp-bench-") as tmp:
+        out = [Path(tmp) / f"rank{r}.json" for r in range(world)]
+        logs = [Path(tmp) / f"rank{r}.log" for r in range(world)]
+        procs = []
+        for r in range(world):
+            with open(logs[r], "w") as log:
+                procs.append(subprocess.Popen([sys.executable, "-m", "benchmarks.run", "--worker",
+                                               json.dumps([r, world, port, cfg]), str(out[r])],
+                                              env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+        why = _wait(procs, timeout)
+        by_rank = {r: json.loads(out[r].read_text()) for r in range(world) if out[r].exists()}
+        failed = [r for r in range(world) if r not in by_rank or by_rank[r].get("error")]
+        rec = by_rank.get(0) or next(iter(by_rank.values()), dict(base))
+        if why is not None or failed:
+            r = next((r for r in failed if r in by_rank), failed[0] if failed else 0)
+            mine = by_rank.get(r, {})
+            rec = dict(base, error=mine.get("error") or why or "failed",
+                       traceback=mine.get("traceback") or f"rank {r}:\n{_tail(logs[r])}")
+            if why is not None and mine.get("error"):
+                rec["error"] = f"{mine['error']} ({why})"
+        elif len(by_rank) > 1:
+            for k in ("peak_mem_bytes", "held_bytes", "base_mem_bytes"):
+                rec[k] = max(x[k] for x in by_rank.values())
     rec["mode"] = "rank-local" if cfg["rank_local"] else ("single-device" if cfg["system"] == "single" else f"{world} ranks")
     if cfg["system"] == "single":
         rec["sp"] = 1
@@ -238,7 +302,16 @@ def main(argv=None) -> None:
                     help="data-parallel replicas (autosp.mesh(dp=...)); --batch is the global batch, split over them")
     ap.add_argument("--ulysses", type=int, default=None,
                     help="lay sp out as sub-groups of this many ranks (autosp.mesh(ulysses=...)), for hybrid attention")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds a configuration may take")
+    ap.add_argument("--worker", nargs=2, default=None, help=argparse.SUPPRESS)  # [rank, world, port, cfg], out file
     args = ap.parse_args(argv)
+    if args.worker:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for stacks before a kill
+        rank, world, port, cfg = json.loads(args.worker[0])
+        Path(args.worker[1]).write_text(json.dumps(_worker(rank, world, port, cfg)))
+        sys.stdout.flush()
+        # no destroy_process_group: it waits on the peers, and there is nothing to flush
+        os._exit(0)
     seqs = [int(s) for s in args.seqs.split(",")] if args.seqs else ([4096] if args.quick else [1024, 2048, 4096, 8192])
     preset = args.preset or ("tiny" if args.quick else "small")
     systems = args.systems.split(",")
@@ -250,12 +323,15 @@ def main(argv=None) -> None:
     for seq in seqs:
         for system in systems:
             cfg = dict(system=system, seq=seq, sp=args.sp, preset=preset, device=args.device, compiler=args.compiler,
-                       rank_local=args.rank_local, steps=args.steps, warmup=2, batch=args.batch, ulysses=args.ulysses, dp=args.dp,
-                       threads=threads if system != "single" else (os.cpu_count() or 1))
-            rec = run_config(cfg, timeout=900)
+                       rank_local=args.rank_local, steps=args.steps, warmup=2, batch=args.batch, ulysses=args.ulysses,
+                       dp=args.dp, threads=threads if system != "single" else (os.cpu_count() or 1),
+                       timeout=args.timeout)
+            rec = run_config(cfg, timeout=args.timeout)
             rec.update(preset=preset, device=args.device, compiler=args.compiler)
             records.append(rec)
-            print(json.dumps(rec), flush=True)
+            print(json.dumps({k: v for k, v in rec.items() if k != "traceback"}), flush=True)
+            if rec.get("traceback"):
+                print(rec["traceback"], file=sys.stderr, flush=True)
     machine = {"host": platform.node(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
                "python": platform.python_version(), "cuda": torch.cuda.get_device_name() if args.device == "cuda" else None}
     (args.out / "results.json").write_text(json.dumps({"machine": machine, "records": records}, indent=1))

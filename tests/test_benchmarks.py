@@ -1,0 +1,45 @@
+"""The benchmark runner fails well: a worker that dies at import or is killed mid-step ends its
+configuration's record with the error and the worker's traceback, within seconds, and the run
+goes on to the next configuration and writes its table and plots."""
+import json
+import time
+
+import pytest
+
+from benchmarks import run
+
+
+def _cfg(system: str, **kw) -> dict:
+    return dict(system=system, seq=256, sp=2, preset="tiny", device="cpu", compiler="aot_eager", rank_local=False,
+                steps=1, warmup=1, batch=1, ulysses=None, dp=1, threads=1, timeout=120) | kw
+
+
+def test_a_worker_that_dies_at_import_gets_a_record_with_its_traceback(tmp_path, monkeypatch):
+    """A module the worker imports is broken (a yaml.py ahead of the real one): the worker exits
+    with an ImportError before it can report anything. Without watching the processes the parent
+    waited for the record until the timeout (900 s by default)."""
+    (tmp_path / "yaml.py").write_text("raise ImportError('yaml is broken in this test')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    t0 = time.monotonic()
+    rec = run.run_config(_cfg("single"), timeout=120)
+    assert time.monotonic() - t0 < 60
+    assert rec["error"].startswith("worker(s) died (rank, exit code): (0, 1)"), rec["error"]
+    assert "ImportError: yaml is broken in this test" in rec["traceback"], rec["traceback"]
+
+
+def test_a_worker_killed_mid_step_ends_its_record_and_the_run_goes_on(tmp_path, monkeypatch):
+    """Rank 1 of a 2-rank configuration is killed at its second step (SIGKILL: nothing of it is
+    reported) while rank 0 waits on it in a collective: the configuration's record names the dead
+    rank, the next configuration runs, and the table and both plots are written."""
+    pytest.importorskip("matplotlib")
+    monkeypatch.setenv("AUTOSP_BENCH_KILL", "1:2")
+    t0 = time.monotonic()
+    run.main(["--systems", "ulysses_eager,single", "--seqs", "256", "--preset", "tiny", "--steps", "1",
+              "--compiler", "aot_eager", "--timeout", "120", "--out", str(tmp_path)])
+    assert time.monotonic() - t0 < 110
+    killed, single = json.loads((tmp_path / "results.json").read_text())["records"]
+    assert killed["system"] == "ulysses_eager" and "(1, -9)" in killed["error"], killed
+    assert killed["traceback"], killed
+    assert single["system"] == "single" and single["error"] is None and single["step_time_s"] > 0, single
+    for name in ("results.md", "step_time.png", "peak_mem.png"):
+        assert (tmp_path / name).stat().st_size > 0

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _train_cmd(out: Path) -> list[str]:
-    return [str(ROOT / "examples" / "train.py"), "--steps", "3", "--seq", "64", "--batch", "2", "--out", str(out)]
+    return [str(ROOT / "examples" / "train.py"), "--steps", "3", "--seq", "64", "--batch", "2", "--no-reference", "--out", str(out)]
 
 
 def test_two_torchrun_nodes_match_one_device(tmp_path):

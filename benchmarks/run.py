@@ -186,15 +186,19 @@ def _tail(path: Path, lines: int = 40) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
+def _died(procs: list[subprocess.Popen]) -> str | None:
+    dead = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode not in (None, 0)]
+    return "worker(s) died (rank, exit code): " + ", ".join(f"({r}, {c})" for r, c in dead) if dead else None
+
+
 def _wait(procs: list[subprocess.Popen], timeout: float, grace: float = 10.0) -> str | None:
-    """Wait for every worker; None when all exited, else why they were stopped: a worker died
+    """Wait for every worker; None when all exited cleanly, else what went wrong: a worker died
     (the others, likely waiting on it in a collective, get ``grace`` seconds), or the deadline
-    passed. Stopped workers first dump their Python stacks (SIGUSR1, faulthandler)."""
+    passed. Workers still running then dump their Python stacks (SIGUSR1, faulthandler) and are
+    killed."""
     deadline, why = time.monotonic() + timeout, None
     while any(p.poll() is None for p in procs):
-        dead = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode not in (None, 0)]
-        if dead and why is None:
-            why = "worker(s) died (rank, exit code): " + ", ".join(f"({r}, {c})" for r, c in dead)
+        if why is None and (why := _died(procs)) is not None:
             deadline = min(deadline, time.monotonic() + grace)
         if time.monotonic() > deadline:
             why = why or f"timed out after {timeout:.0f} s"
@@ -209,10 +213,7 @@ def _wait(procs: list[subprocess.Popen], timeout: float, grace: float = 10.0) ->
         time.sleep(0.2)
     for p in procs:
         p.wait()
-    dead = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
-    if why is None and dead:
-        why = "worker(s) failed (rank, exit code): " + ", ".join(f"({r}, {c})" for r, c in dead)
-    return why
+    return why or _died(procs)
 
 
 def run_config(cfg: dict, timeout: float) -> dict:
@@ -241,10 +242,8 @@ def run_config(cfg: dict, timeout: float) -> dict:
         if why is not None or failed:
             r = next((r for r in failed if r in by_rank), failed[0] if failed else 0)
             mine = by_rank.get(r, {})
-            rec = dict(base, error=mine.get("error") or why or "failed",
-                       traceback=mine.get("traceback") or f"rank {r}:\n{_tail(logs[r])}")
-            if why is not None and mine.get("error"):
-                rec["error"] = f"{mine['error']} ({why})"
+            error = "; ".join(x for x in (why, f"rank {r}: {mine['error']}" if mine.get("error") else None) if x)
+            rec = dict(base, error=error, traceback=mine.get("traceback") or f"rank {r}:\n{_tail(logs[r])}")
         elif len(by_rank) > 1:
             for k in ("peak_mem_bytes", "held_bytes", "base_mem_bytes"):
                 rec[k] = max(x[k] for x in by_rank.values())
@@ -281,8 +280,15 @@ def _plots(records: list[dict], out: Path) -> None:
                          if r["system"] == system and not r.get("error"))
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=system)
-        ax.set_xscale("log", base=2); ax.set_xlabel("sequence length"); ax.set_ylabel(label); ax.grid(alpha=0.3)
-        ax.legend(); fig.tight_layout(); fig.savefig(out / fname, dpi=110); plt.close(fig)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / fname, dpi=110)
+        plt.close(fig)
 
 
 def main(argv=None) -> None:

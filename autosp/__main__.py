@@ -1,4 +1,5 @@
 """``python -m autosp plan ...``: see ``autosp._cli``."""
+
 import sys
 
 from ._cli import main

@@ -13,6 +13,7 @@ activations and temporaries (``checkpoint`` none / auto / full); the maximum seq
 found by bisection on those functions of the sequence length, then confirmed by a trace at the
 answer and bisected again from there (see ``PlanFit``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,15 +31,46 @@ from ._context import ATTENTION_CHOICES
 __all__ = ["main", "PRESETS", "PlanFit", "trace_plan", "max_sequence"]
 
 # public config.json fields of the models the AutoSP paper reports (no hub access needed)
-_LLAMA = dict(model_type="llama", hidden_act="silu", max_position_embeddings=131072, rms_norm_eps=1e-5,
-              rope_theta=500000.0, tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
+_LLAMA = dict(
+    model_type="llama",
+    hidden_act="silu",
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+    attention_bias=False,
+    mlp_bias=False,
+)
 PRESETS = {
-    "llama-3.1-8b": dict(_LLAMA, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
-    "llama-3.2-3b": dict(_LLAMA, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
-                         num_attention_heads=24, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
-    "llama-3.2-1b": dict(_LLAMA, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+    "llama-3.1-8b": dict(
+        _LLAMA,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),
+    "llama-3.2-3b": dict(
+        _LLAMA,
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+    ),
+    "llama-3.2-1b": dict(
+        _LLAMA,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+    ),
 }
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # optimizer state per parameter: (times the parameter's bytes, plus fixed bytes). AdamW keeps
@@ -51,8 +83,14 @@ _POLICIES = ("none", "auto", "full")
 def parse_bytes(text: str) -> int:
     """'80GiB' (powers of 2), '24GB' (powers of 10) or a byte count."""
     m = re.fullmatch(r"\s*([\d.]+)\s*(?:([KMGT])(i?)B?|B)?\s*", text, re.IGNORECASE)
-    value = int(float(m.group(1)) * ((1024 if m.group(3) else 1000) ** ("KMGT".index(m.group(2).upper()) + 1)
-                                     if m.group(2) else 1)) if m else 0
+    value = (
+        int(
+            float(m.group(1))
+            * ((1024 if m.group(3) else 1000) ** ("KMGT".index(m.group(2).upper()) + 1) if m.group(2) else 1)
+        )
+        if m
+        else 0
+    )
     if value <= 0:
         raise argparse.ArgumentTypeError(f"autosp: memory {text!r}; write a positive size, e.g. 80GiB, 24GB or 1000000")
     return value
@@ -65,8 +103,10 @@ def load_model_config(name: str) -> dict:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise SystemExit(f"autosp plan: no preset or config file {name!r}; presets: {', '.join(PRESETS)}, or pass an HF "
-                         "config.json (or a directory holding one)")
+        raise SystemExit(
+            f"autosp plan: no preset or config file {name!r}; presets: {', '.join(PRESETS)}, or pass an HF "
+            "config.json (or a directory holding one)"
+        )
     return json.loads(path.read_text())
 
 
@@ -84,22 +124,39 @@ class Traced:
 
 def _build_meta(cfg: dict, dtype: torch.dtype, layers: int | None = None):
     import transformers as T
+
     fields = {**cfg, **({"num_hidden_layers": layers} if layers else {})}
     config = T.AutoConfig.for_model(fields.pop("model_type"), **fields)
     with torch.device("meta"):
         return T.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
 
 
-def trace_plan(cfg: dict, *, layers: int, seq: int, batch: int, sp: int, dtype: torch.dtype, policy: str = "auto",
-               attention: str = "auto", ulysses: int | None = None):
+def trace_plan(
+    cfg: dict,
+    *,
+    layers: int,
+    seq: int,
+    batch: int,
+    sp: int,
+    dtype: torch.dtype,
+    policy: str = "auto",
+    attention: str = "auto",
+    ulysses: int | None = None,
+):
     """``autosp.explain`` of one training step of the model cut to ``layers`` layers, with every
     rung of the checkpointing ladder evaluated."""
     import autosp
+
     # uninitialised CPU storage: tracing reads shapes only, so the pages are never touched
     model = _build_meta(cfg, dtype, layers).to_empty(device="cpu").train()
     ids = torch.zeros(batch, seq, dtype=torch.long)
-    step = autosp.shard(lambda input_ids, labels: model(input_ids=input_ids, labels=labels).loss,
-                        compiler="aot_eager", checkpoint=policy, every_rung=True, attention=attention)
+    step = autosp.shard(
+        lambda input_ids, labels: model(input_ids=input_ids, labels=labels).loss,
+        compiler="aot_eager",
+        checkpoint=policy,
+        every_rung=True,
+        attention=attention,
+    )
     with autosp.mesh(sp=sp, ulysses=ulysses):
         return autosp.explain(step, ids, ids)
 
@@ -114,8 +171,17 @@ class PlanFit:
     one, so answers are confirmed by a trace at (or next to) their own length. Attention's cost is
     quadratic in the length."""
 
-    def __init__(self, cfg: dict, *, sp: int, seqs: tuple[int, int], batch: int, dtype: torch.dtype,
-                 attention: str = "auto", ulysses: int | None = None):
+    def __init__(
+        self,
+        cfg: dict,
+        *,
+        sp: int,
+        seqs: tuple[int, int],
+        batch: int,
+        dtype: torch.dtype,
+        attention: str = "auto",
+        ulysses: int | None = None,
+    ):
         self.cfg, self.sp, self.batch, self.dtype, self.attention = cfg, sp, batch, dtype, attention
         self.ulysses = ulysses
         self.layers, self.seqs = cfg["num_hidden_layers"], seqs
@@ -126,8 +192,16 @@ class PlanFit:
     def _trace(self, seq: int) -> None:
         for k in (1, 2):
             if (k, seq) not in self.plans:
-                self.plans[(k, seq)] = trace_plan(self.cfg, layers=k, seq=seq, batch=self.batch, sp=self.sp,
-                                                  dtype=self.dtype, attention=self.attention, ulysses=self.ulysses)
+                self.plans[(k, seq)] = trace_plan(
+                    self.cfg,
+                    layers=k,
+                    seq=seq,
+                    batch=self.batch,
+                    sp=self.sp,
+                    dtype=self.dtype,
+                    attention=self.attention,
+                    ulysses=self.ulysses,
+                )
 
     def refine(self, seq: int) -> None:
         """Trace at ``seq`` and fit from it and the nearest other traced length."""
@@ -137,38 +211,55 @@ class PlanFit:
 
     def _value(self, get, seq: int, quadratic: bool = False) -> float:
         (s1, s2), L = self.seqs, self.layers
-        at = {s: get(self.plans[(1, s)]) + (get(self.plans[(2, s)]) - get(self.plans[(1, s)])) * (L - 1) for s in (s1, s2)}
+        at = {
+            s: get(self.plans[(1, s)]) + (get(self.plans[(2, s)]) - get(self.plans[(1, s)])) * (L - 1) for s in (s1, s2)
+        }
         if quadratic:
             return at[s1] * (seq / s1) ** 2
         return at[s1] + (at[s2] - at[s1]) * (seq - s1) / (s2 - s1)
 
     def rungs(self, seq: int):
-        from .partition import MemoryEstimate, Rung
         # rungs are matched by what they recompute; the tiled rung's tile count follows the length
         # (a trace too short to tile has no such rung: the fit then goes without it)
         traces = [self.plans[(k, s)] for k in (1, 2) for s in self.seqs]
         common = [r.spec.key for r in traces[0].checkpoint.rungs]
         for p in traces[1:]:
             common = [k for k in common if k in {r.spec.key for r in p.checkpoint.rungs}]
-        out = []
-        for name in common:
-            rung = lambda p, name=name: next(r for r in p.checkpoint.rungs if r.spec.key == name)  # noqa: E731
-            r = rung(self.plans[(1, self.seqs[0])])
-            params, grads, saved, fw, bw = (int(self._value(lambda p, f=f: getattr(rung(p).memory, f), seq))
-                                            for f in ("params", "grads", "saved", "forward_peak", "backward_peak"))
-            # with more layers the backward's peak can move from the loss to its end, where every
-            # gradient is held next to the saved activations: both are sums over the layers
-            mem = MemoryEstimate(params, grads, saved, fw, max(bw, saved + grads))
-            attention = self._value(lambda p: rung(p).attention, seq, quadratic=True)
-            step = self._value(lambda p: rung(p).step - rung(p).attention, seq) + attention
-            out.append(Rung(r.spec, mem, self._value(lambda p: rung(p).recompute, seq), step, attention))
-        return out
+        return [self._rung(key, seq) for key in common]
+
+    def _rung(self, key: tuple, seq: int):
+        """The rung ``key`` (``RungSpec.key``) at the model's depth and ``seq`` tokens."""
+        from .partition import MemoryEstimate, Rung
+
+        def rung(plan):
+            return next(r for r in plan.checkpoint.rungs if r.spec.key == key)
+
+        def value(get, quadratic: bool = False) -> float:
+            return self._value(lambda plan: get(rung(plan)), seq, quadratic)
+
+        params, grads, saved, fw, bw = (
+            int(value(lambda r, f=f: getattr(r.memory, f)))
+            for f in ("params", "grads", "saved", "forward_peak", "backward_peak")
+        )
+        # with more layers the backward's peak can move from the loss to its end, where every
+        # gradient is held next to the saved activations: both are sums over the layers
+        mem = MemoryEstimate(params, grads, saved, fw, max(bw, saved + grads))
+        attention = value(lambda r: r.attention, quadratic=True)
+        step = value(lambda r: r.step - r.attention) + attention
+        return Rung(rung(self.plans[(1, self.seqs[0])]).spec, mem, value(lambda r: r.recompute), step, attention)
 
     def at(self, seq: int, policy: str) -> Traced:
         from .partition._checkpoint import select
+
         rung = select(policy, self.rungs(seq))
-        return Traced(policy, rung.name, rung.memory.peak, self._value(lambda p: p.comm_bytes, seq),
-                      round(self._value(lambda p: len(p.collectives), seq)), rung.overhead)
+        return Traced(
+            policy,
+            rung.name,
+            rung.memory.peak,
+            self._value(lambda p: p.comm_bytes, seq),
+            round(self._value(lambda p: len(p.collectives), seq)),
+            rung.overhead,
+        )
 
 
 def _static_bytes(cfg: dict, dtype: torch.dtype, optimizer: str) -> tuple[int, int]:
@@ -179,9 +270,11 @@ def _static_bytes(cfg: dict, dtype: torch.dtype, optimizer: str) -> tuple[int, i
     return params, times * params + fixed * sum(p.numel() for p in model.parameters())
 
 
-def max_sequence(fit: PlanFit, policy: str, *, budget: int, static: int, granule: int,
-                 hi: int = 2**24) -> tuple[int, Traced | None]:
+def max_sequence(
+    fit: PlanFit, policy: str, *, budget: int, static: int, granule: int, hi: int = 2**24
+) -> tuple[int, Traced | None]:
     """The longest multiple of ``granule`` whose step fits ``budget`` bytes per rank, by bisection."""
+
     def fits(seq: int) -> Traced | None:
         t = fit.at(seq, policy)
         return t if static + t.activations <= budget else None
@@ -214,26 +307,47 @@ def max_sequence(fit: PlanFit, policy: str, *, budget: int, static: int, granule
     return seq, (fits(seq) if seq else None)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="autosp", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="autosp", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("plan", help="memory and communication per rank at real sizes, and the longest sequence that fits")
+    p = sub.add_parser(
+        "plan", help="memory and communication per rank at real sizes, and the longest sequence that fits"
+    )
     p.add_argument("--model", required=True, help=f"a preset ({', '.join(PRESETS)}) or an HF config.json")
     p.add_argument("--sp", type=int, required=True)
-    p.add_argument("--memory", type=parse_bytes, default=None, help="memory per device, e.g. 80GiB: also find the "
-                   "longest sequence that fits")
+    p.add_argument(
+        "--memory",
+        type=parse_bytes,
+        default=None,
+        help="memory per device, e.g. 80GiB: also find the longest sequence that fits",
+    )
     p.add_argument("--seq", type=int, default=None, help="sequence length (global) to report")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
     p.add_argument("--optimizer", default="adamw", choices=sorted(_OPTIMIZER_STATE))
     p.add_argument("--checkpoint", default=",".join(_POLICIES), help="comma-separated: none, auto, full")
-    p.add_argument("--attention", default="auto", choices=list(ATTENTION_CHOICES),
-                   help="attention kernel: chosen by cost (auto) or forced")
-    p.add_argument("--ulysses", type=int, default=None,
-                   help="a 2D sp mesh: sub-groups of this many ranks (hybrid attention: Ulysses within, ring across)")
+    p.add_argument(
+        "--attention",
+        default="auto",
+        choices=list(ATTENTION_CHOICES),
+        help="attention kernel: chosen by cost (auto) or forced",
+    )
+    p.add_argument(
+        "--ulysses",
+        type=int,
+        default=None,
+        help="a 2D sp mesh: sub-groups of this many ranks (hybrid attention: Ulysses within, ring across)",
+    )
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
-    from torch.testing._internal.distributed.fake_pg import FakeStore
     import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     cfg = load_model_config(args.model)
     dtype = _DTYPES[args.dtype]
@@ -248,23 +362,39 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     params, opt = _static_bytes(cfg, dtype, args.optimizer)
     gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
-    print(f"autosp plan: {args.model}, sp={args.sp}, {args.dtype}, {args.optimizer}, batch {args.batch}: "
-          f"parameters {gib(params)} and optimizer state {gib(opt)} per rank")
+    print(
+        f"autosp plan: {args.model}, sp={args.sp}, {args.dtype}, {args.optimizer}, batch {args.batch}: "
+        f"parameters {gib(params)} and optimizer state {gib(opt)} per rank"
+    )
     granule = 256 * args.sp
     base = args.seq or 16 * granule
-    fit = PlanFit(cfg, sp=args.sp, seqs=(base, 2 * base), batch=args.batch, dtype=dtype, attention=args.attention,
-                  ulysses=args.ulysses)
-    kernels = sorted({note.split(": ")[-1].split(",")[0].split(" (")[0] for note in fit.plans[(1, base)].notes
-                      if note.startswith("attention at")})
+    fit = PlanFit(
+        cfg,
+        sp=args.sp,
+        seqs=(base, 2 * base),
+        batch=args.batch,
+        dtype=dtype,
+        attention=args.attention,
+        ulysses=args.ulysses,
+    )
+    kernels = sorted(
+        {
+            note.split(": ")[-1].split(",")[0].split(" (")[0]
+            for note in fit.plans[(1, base)].notes
+            if note.startswith("attention at")
+        }
+    )
     print(f"attention ({args.attention}): " + ("; ".join(kernels) if kernels else "Ulysses, heads split evenly"))
     if args.seq:
         fit.refine(args.seq)
         print(f"at {args.seq} tokens ({args.seq // args.sp} per rank):")
         for policy in policies:
             t = fit.at(args.seq, policy)
-            print(f"  checkpoint={policy:5s} peak {gib(params + opt + t.activations)} per rank (activations, gradients, "
-                  f"temporaries {gib(t.activations)}), recompute +{t.recompute:.1%} ({t.rung}), {t.collectives} "
-                  f"collectives, {t.comm_bytes / 2**20:.1f} MiB sent per rank per step")
+            print(
+                f"  checkpoint={policy:5s} peak {gib(params + opt + t.activations)} per rank (activations, gradients, "
+                f"temporaries {gib(t.activations)}), recompute +{t.recompute:.1%} ({t.rung}), {t.collectives} "
+                f"collectives, {t.comm_bytes / 2**20:.1f} MiB sent per rank per step"
+            )
     if args.memory:
         print(f"longest sequence that fits {gib(args.memory)} per device (bisection, multiples of {granule}):")
         for policy in policies:
@@ -275,8 +405,10 @@ def main(argv=None) -> int:
                 need = params + opt + fit.at(granule, policy).activations
                 print(f"  checkpoint={policy:5s} none: {granule} tokens already need {gib(need)}")
             else:
-                print(f"  checkpoint={policy:5s} {seq} tokens ({seq // args.sp} per rank), peak "
-                      f"{gib(params + opt + t.activations)}, recompute +{t.recompute:.1%} ({t.rung})")
+                print(
+                    f"  checkpoint={policy:5s} {seq} tokens ({seq // args.sp} per rank), peak "
+                    f"{gib(params + opt + t.activations)}, recompute +{t.recompute:.1%} ({t.rung})"
+                )
     print(f"planned in {time.perf_counter() - t0:.0f} s")
     return 0
 

@@ -1,5 +1,6 @@
 """What one compile is asked for (``Options``) and where it runs (``SpContext``), and the names of
 the attention kernels (``Kernel``). A leaf: every stage reads these, none writes them."""
+
 from __future__ import annotations
 
 import enum
@@ -26,8 +27,10 @@ CHECKPOINT_POLICIES = ("auto", "none", "full")
 
 def check_policy(policy) -> None:
     if isinstance(policy, bool) or not (policy in CHECKPOINT_POLICIES or (isinstance(policy, int) and policy > 0)):
-        raise ValueError(f"autosp: checkpoint={policy!r}; use 'auto', 'none', 'full', or a memory budget in bytes "
-                         "per rank (a positive int)")
+        raise ValueError(
+            f"autosp: checkpoint={policy!r}; use 'auto', 'none', 'full', or a memory budget in bytes "
+            "per rank (a positive int)"
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -103,8 +106,17 @@ class SpContext:
 
         inner, outer = mesh.hybrid_groups or ("", "")
         dp = mesh.dp_size
-        return cls(options=options, n=mesh.sp_size, rank=mesh.sp_rank, group=mesh.sp_group.group_name,
-                   process_group=mesh.sp_group, mesh=mesh.sp_mesh, dp=dp,
-                   dp_group=mesh.dp_group.group_name if dp > 1 else None,
-                   world_group=dist.group.WORLD.group_name if dp > 1 else None,
-                   ulysses=mesh.ulysses_size, inner=inner, outer=outer)
+        return cls(
+            options=options,
+            n=mesh.sp_size,
+            rank=mesh.sp_rank,
+            group=mesh.sp_group.group_name,
+            process_group=mesh.sp_group,
+            mesh=mesh.sp_mesh,
+            dp=dp,
+            dp_group=mesh.dp_group.group_name if dp > 1 else None,
+            world_group=dist.group.WORLD.group_name if dp > 1 else None,
+            ulysses=mesh.ulysses_size,
+            inner=inner,
+            outer=outer,
+        )

@@ -1,5 +1,6 @@
 """Graph helpers every stage uses: a node's outputs and tensor inputs, its arguments by name, its
 bytes, and which ops are attention. A leaf: it imports nothing from autosp."""
+
 from __future__ import annotations
 
 import math
@@ -11,8 +12,18 @@ import torch.fx as fx
 from torch.fx.operator_schemas import normalize_function
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["out_vals", "tensor_inputs", "op_args", "nbytes", "out_bytes", "is_attention", "is_attention_backward",
-           "ATTENTION_OPS", "SDPA_CPU", "SDPA_CPU_BACKWARD"]
+__all__ = [
+    "out_vals",
+    "tensor_inputs",
+    "op_args",
+    "nbytes",
+    "out_bytes",
+    "is_attention",
+    "is_attention_backward",
+    "ATTENTION_OPS",
+    "SDPA_CPU",
+    "SDPA_CPU_BACKWARD",
+]
 
 aten = torch.ops.aten
 

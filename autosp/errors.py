@@ -1,4 +1,5 @@
 """autosp's errors: each names the op, the user's source line, the shapes and placements, and a fix."""
+
 from __future__ import annotations
 
 import os
@@ -36,7 +37,8 @@ def _describe(node: fx.Node | None) -> str:
     if node is None:
         return ""
     shapes = [tuple(v.shape) for v in out_vals(node) if v is not None]
-    return f"{node.target} (node {node.name}, output shape {shapes[0] if len(shapes) == 1 else shapes}) at {source_line(node)}"
+    shape = shapes[0] if len(shapes) == 1 else shapes
+    return f"{node.target} (node {node.name}, output shape {shape}) at {source_line(node)}"
 
 
 class PlanError(ValueError):

@@ -16,6 +16,7 @@ Every measurement runs in a fresh process (compile and RSS of its own). Peak mem
 of peak RSS during a step over the RSS before it (gradients set to None first), with glibc
 mmapping every allocation over 64 KiB so that RSS follows the live tensors.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,6 +28,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchmarks.tables import budget_table
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ["ulysses", "ulysses_ckpt", "autosp_none", "autosp_auto", "autosp_full", "autosp_budget"]
@@ -41,8 +44,8 @@ def measure_here(system: str, seq: int, sp: int, budget: int, compiler: str, ste
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import autosp
-    from examples.models import Llama, LlamaConfig
     from benchmarks.run import _peak, _reset_peak
+    from examples.models import Llama, LlamaConfig
     from examples.ulysses import allreduce_grads, ulysses_loss
 
     torch.set_num_threads(int(os.environ.get("AUTOSP_BENCH_THREADS", "1")))
@@ -55,20 +58,25 @@ def measure_here(system: str, seq: int, sp: int, budget: int, compiler: str, ste
     rec = {"system": system, "seq": seq, "sp": sp}
     with autosp.mesh(sp=sp):
         if system.startswith("ulysses"):
-            loss_fn = torch.compile(lambda i, l: ulysses_loss(model, i, l, checkpoint=system == "ulysses_ckpt")[0],
-                                    backend=compiler)
+            loss_fn = torch.compile(
+                lambda i, y: ulysses_loss(model, i, y, checkpoint=system == "ulysses_ckpt")[0], backend=compiler
+            )
 
             def run():
                 loss_fn(ids, ids).backward()
                 allreduce_grads(model)  # as autosp's step does inside its graph
         else:
             setting = system.removeprefix("autosp_")
-            step = autosp.shard(lambda i, l: model(i, l), compiler=compiler,
-                                checkpoint=budget if setting == "budget" else setting,
-                                attention=os.environ.get("AUTOSP_BENCH_ATTENTION", "auto"))
+            step = autosp.shard(
+                lambda i, y: model(i, y),
+                compiler=compiler,
+                checkpoint=budget if setting == "budget" else setting,
+                attention=os.environ.get("AUTOSP_BENCH_ATTENTION", "auto"),
+            )
 
             def run():
                 step(ids, ids).backward()
+
         try:
             for _ in range(2):
                 run()
@@ -91,21 +99,42 @@ def measure_here(system: str, seq: int, sp: int, budget: int, compiler: str, ste
 
 
 def measure(system: str, seq: int, args) -> dict:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", OMP_NUM_THREADS="1",
-               PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "benchmarks.memory", "--one", json.dumps(
-        [system, seq, args.sp, args.budget, args.compiler, args.steps, args.attn])]
+    env = dict(
+        os.environ,
+        MALLOC_MMAP_THRESHOLD_="65536",
+        MALLOC_TRIM_THRESHOLD_="0",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(ROOT),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.memory",
+        "--one",
+        json.dumps([system, seq, args.sp, args.budget, args.compiler, args.steps, args.attn]),
+    ]
     try:
         out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     except subprocess.TimeoutExpired as e:
-        return {"system": system, "seq": seq, "sp": args.sp, "error": "timed out after 1800 s",
-                "traceback": (e.stderr or b"").decode(errors="replace")[-4000:] if isinstance(e.stderr, bytes)
-                else (e.stderr or "")[-4000:]}
+        return {
+            "system": system,
+            "seq": seq,
+            "sp": args.sp,
+            "error": "timed out after 1800 s",
+            "traceback": (e.stderr or b"").decode(errors="replace")[-4000:]
+            if isinstance(e.stderr, bytes)
+            else (e.stderr or "")[-4000:],
+        }
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if not lines:
         tail = out.stderr.strip().splitlines() or ["no output"]
-        return {"system": system, "seq": seq, "sp": args.sp, "error": tail[-1][:300],
-                "traceback": "\n".join(tail[-40:])}
+        return {
+            "system": system,
+            "seq": seq,
+            "sp": args.sp,
+            "error": tail[-1][:300],
+            "traceback": "\n".join(tail[-40:]),
+        }
     rec = json.loads(lines[-1])
     print(json.dumps(rec), flush=True)
     return rec
@@ -140,9 +169,13 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--attn", default="sdpa", choices=["sdpa", "gqa"],
-                    help="the model's attention: K/V repeated to the query heads before SDPA (as Hugging Face's "
-                         "repeat_kv), or SDPA on the unrepeated K/V (enable_gqa), for every system")
+    ap.add_argument(
+        "--attn",
+        default="sdpa",
+        choices=["sdpa", "gqa"],
+        help="the model's attention: K/V repeated to the query heads before SDPA (as Hugging Face's "
+        "repeat_kv), or SDPA on the unrepeated K/V (enable_gqa), for every system",
+    )
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
@@ -159,24 +192,26 @@ def main(argv=None) -> None:
     # step time and peak at one length every system fits: the longest hand-written Ulysses fits
     common = min(v for v in longest_seq.values() if v) if any(longest_seq.values()) else args.start
     at_common = {s: measure(s, common, args) for s in systems}
-    summary = {"budget_bytes": args.budget, "sp": args.sp, "compiler": args.compiler, "preset": PRESET, "attn": args.attn,
-               "longest_seq": longest_seq, "common_seq": common, "at_common": at_common}
+    summary = {
+        "budget_bytes": args.budget,
+        "sp": args.sp,
+        "compiler": args.compiler,
+        "preset": PRESET,
+        "attn": args.attn,
+        "longest_seq": longest_seq,
+        "common_seq": common,
+        "at_common": at_common,
+    }
     machine = {"host": platform.node(), "cpu_count": os.cpu_count(), "python": platform.python_version()}
-    (args.out / "results.json").write_text(json.dumps({"machine": machine, "summary": summary, "records": records},
-                                                      indent=1))
-    rows = [f"budget {args.budget / 2**20:.0f} MiB per rank, sp={args.sp} (one rank's share), {args.compiler}, "
-            f"model {PRESET}, attention {args.attn}", "",
-            "| system | longest seq under budget | x ulysses | x ulysses_ckpt | "
-            f"step time at {common} (s) | peak at {common} (MiB) | predicted (MiB) | rung |",
-            "|---|---|---|---|---|---|---|---|"]
-    for s in systems:
-        r = at_common[s]
-        ratio = lambda base: f"{longest_seq[s] / longest_seq[base]:.2f}" if longest_seq.get(base) else "-"  # noqa: E731
-        t = f"{r['step_time_s']:.3f}" if not r.get("error") else r["error"][:60]
-        m = f"{r['peak_mem_bytes'] / 2**20:.0f}" if not r.get("error") else "-"
-        pred = f"{r['predicted_bytes'] / 2**20:.0f}" if r.get("predicted_bytes") else "-"
-        rows.append(f"| {s} | {longest_seq[s]} | {ratio('ulysses')} | {ratio('ulysses_ckpt')} | {t} | {m} | {pred} | "
-                    f"{r.get('checkpoint', '-')} |")
+    (args.out / "results.json").write_text(
+        json.dumps({"machine": machine, "summary": summary, "records": records}, indent=1)
+    )
+    rows = [
+        f"budget {args.budget / 2**20:.0f} MiB per rank, sp={args.sp} (one rank's share), {args.compiler}, "
+        f"model {PRESET}, attention {args.attn}",
+        "",
+        *budget_table(summary),
+    ]
     (args.out / "results.md").write_text("\n".join(rows) + "\n")
     print("\n".join(rows))
 

@@ -11,13 +11,15 @@ for one model, mesh and set of sequence lengths, in one run.
 
 Every configuration runs in fresh processes (one per rank), so compile time and peak memory are
 its own; a configuration whose worker fails, dies or hangs (``--timeout``) gets a record with the
-error and the worker's traceback (``results.json``), and the run goes on. Communication is what gloo/NCCL actually ran in one step (torch.profiler's collective
-events, elements x 4 bytes: the models are fp32), never autosp's plan. Peak memory is the growth
+error and the worker's traceback (``results.json``), and the run goes on. Communication is what
+gloo/NCCL actually ran in one step (torch.profiler's collective events, elements x 4 bytes: the
+models are fp32), never autosp's plan. Peak memory is the growth
 of the peak over the memory held after warm-up (parameters and gradients), during the timed
 steps: activations, temporaries and communication buffers. On CPU that is RSS, with glibc told
 to mmap every allocation over 64 KiB so that RSS follows the live tensors, and
 /proc/self/clear_refs resetting the high-water mark; on GPU torch.cuda.max_memory_allocated.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,6 +38,8 @@ import traceback
 from pathlib import Path
 
 import torch
+
+from benchmarks.tables import runs_table
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -75,6 +79,7 @@ def _peak(device: str) -> int:
 def _held_bytes(model, optimizer) -> int:
     """Bytes this rank holds in parameters, gradients and optimizer state, counted from the
     tensors themselves (the local shard of a DTensor)."""
+
     def nbytes(t) -> int:
         t = t.to_local() if hasattr(t, "to_local") else t
         return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
@@ -133,15 +138,24 @@ def _measure(run, ids, cfg: dict, rank: int) -> dict:
     with torch.profiler.profile(record_shapes=True) as prof:
         step()
     med = statistics.median(times)
-    return dict(step_time_s=med, tokens_per_s=ids.numel() / med, compile_time_s=max(compile_time - med, 0.0),
-                comm_bytes_per_step=_comm_bytes(prof, 4), peak_mem_bytes=peak, held_bytes=held, base_mem_bytes=base,
-                loss=loss, error=None)
+    return dict(
+        step_time_s=med,
+        tokens_per_s=ids.numel() / med,
+        compile_time_s=max(compile_time - med, 0.0),
+        comm_bytes_per_step=_comm_bytes(prof, 4),
+        peak_mem_bytes=peak,
+        held_bytes=held,
+        base_mem_bytes=base,
+        loss=loss,
+        error=None,
+    )
 
 
 def _worker(rank: int, world: int, port: int, cfg: dict) -> dict:
     """One rank of one configuration (in a process of its own): its record."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(cfg["threads"])
     import torch.distributed as dist
 
@@ -154,13 +168,15 @@ def _worker(rank: int, world: int, port: int, cfg: dict) -> dict:
     try:
         if cfg["rank_local"]:
             from torch.testing._internal.distributed.fake_pg import FakeStore
+
             dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cfg["sp"])
         dp = cfg.get("dp", 1) if world > 1 else 1
         if dp > 1 and not cfg["system"].startswith("autosp"):
             raise ValueError(f"{cfg['system']} runs sequence parallel only (no dp)")
         sp = world // dp if not cfg["rank_local"] else cfg["sp"]
-        with autosp.mesh(sp=sp, dp=dp, ulysses=cfg.get("ulysses") if world > 1 else None, timeout_s=cfg["timeout"]) \
-                as mesh:
+        with autosp.mesh(
+            sp=sp, dp=dp, ulysses=cfg.get("ulysses") if world > 1 else None, timeout_s=cfg["timeout"]
+        ) as mesh:
             torch.manual_seed(0)
             model = Llama(LlamaConfig(**PRESETS[cfg["preset"]])).to(device)
             g = torch.Generator().manual_seed(1)
@@ -168,10 +184,11 @@ def _worker(rank: int, world: int, port: int, cfg: dict) -> dict:
             run = SYSTEMS[cfg["system"]](model, ids, ids.clone(), mesh, cfg["compiler"])
             run.model = model
             record.update(_measure(run, ids, cfg, rank))
-    except Exception as e:  # noqa: BLE001 - a system that cannot run is a result too
+    except Exception as e:
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-        record.update(error=f"{type(e).__name__}: {first}" if first else type(e).__name__,
-                      traceback=traceback.format_exc())
+        record.update(
+            error=f"{type(e).__name__}: {first}" if first else type(e).__name__, traceback=traceback.format_exc()
+        )
     return record
 
 
@@ -224,17 +241,34 @@ def run_config(cfg: dict, timeout: float) -> dict:
     base = {k: cfg[k] for k in ("system", "seq", "sp")} | {"dp": cfg.get("dp", 1)}
     # glibc keeps freed heap pages, so RSS would not fall after a step; with every allocation
     # over 64 KiB mmapped (and unmapped on free), RSS follows the live tensors
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    env = dict(
+        os.environ,
+        MALLOC_MMAP_THRESHOLD_="65536",
+        MALLOC_TRIM_THRESHOLD_="0",
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    )
     with tempfile.TemporaryDirectory(prefix="autosp-bench-") as tmp:
         out = [Path(tmp) / f"rank{r}.json" for r in range(world)]
         logs = [Path(tmp) / f"rank{r}.log" for r in range(world)]
         procs = []
         for r in range(world):
             with open(logs[r], "w") as log:
-                procs.append(subprocess.Popen([sys.executable, "-m", "benchmarks.run", "--worker",
-                                               json.dumps([r, world, port, cfg]), str(out[r])],
-                                              env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "benchmarks.run",
+                            "--worker",
+                            json.dumps([r, world, port, cfg]),
+                            str(out[r]),
+                        ],
+                        env=env,
+                        cwd=ROOT,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
         why = _wait(procs, timeout)
         by_rank = {r: json.loads(out[r].read_text()) for r in range(world) if out[r].exists()}
         failed = [r for r in range(world) if r not in by_rank or by_rank[r].get("error")]
@@ -247,37 +281,31 @@ def run_config(cfg: dict, timeout: float) -> dict:
         elif len(by_rank) > 1:
             for k in ("peak_mem_bytes", "held_bytes", "base_mem_bytes"):
                 rec[k] = max(x[k] for x in by_rank.values())
-    rec["mode"] = "rank-local" if cfg["rank_local"] else ("single-device" if cfg["system"] == "single" else f"{world} ranks")
+    rec["mode"] = (
+        "rank-local" if cfg["rank_local"] else ("single-device" if cfg["system"] == "single" else f"{world} ranks")
+    )
     if cfg["system"] == "single":
         rec["sp"] = 1
     return rec
 
 
-def _table(records: list[dict]) -> str:
-    rows = ["| system | seq | sp (or dp x sp) | step time (s) | tokens/s | compile (s) | comm MiB/step/rank | peak mem MiB/rank | "
-            "held MiB/rank | note |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in records:
-        sp = f"{r['dp']} x {r['sp']}" if r.get("dp", 1) > 1 else r["sp"]  # dp x sp
-        if r.get("error"):
-            rows.append(f"| {r['system']} | {r['seq']} | {sp} | - | - | - | - | - | - | {r['error']} |")
-        else:
-            rows.append(f"| {r['system']} | {r['seq']} | {sp} | {r['step_time_s']:.3f} | {r['tokens_per_s']:.0f} | "
-                        f"{r['compile_time_s']:.1f} | {r['comm_bytes_per_step'] / 2**20:.2f} | {r['peak_mem_bytes'] / 2**20:.0f} | "
-                        f"{r.get('held_bytes', 0) / 2**20:.0f} | |")
-    return "\n".join(rows)
-
-
 def _plots(records: list[dict], out: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    for key, label, fname in (("step_time_s", "step time (s)", "step_time.png"),
-                              ("peak_mem_bytes", "peak memory per rank (MiB)", "peak_mem.png")):
+
+    for key, label, fname in (
+        ("step_time_s", "step time (s)", "step_time.png"),
+        ("peak_mem_bytes", "peak memory per rank (MiB)", "peak_mem.png"),
+    ):
         fig, ax = plt.subplots(figsize=(7, 4))
         for system in dict.fromkeys(r["system"] for r in records):
-            pts = sorted((r["seq"], r[key] / (2**20 if "mem" in key else 1)) for r in records
-                         if r["system"] == system and not r.get("error"))
+            pts = sorted(
+                (r["seq"], r[key] / (2**20 if "mem" in key else 1))
+                for r in records
+                if r["system"] == system and not r.get("error")
+            )
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=system)
         ax.set_xscale("log", base=2)
@@ -304,10 +332,18 @@ def main(argv=None) -> None:
     ap.add_argument("--rank-local", action="store_true")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--dp", type=int, default=1,
-                    help="data-parallel replicas (autosp.mesh(dp=...)); --batch is the global batch, split over them")
-    ap.add_argument("--ulysses", type=int, default=None,
-                    help="lay sp out as sub-groups of this many ranks (autosp.mesh(ulysses=...)), for hybrid attention")
+    ap.add_argument(
+        "--dp",
+        type=int,
+        default=1,
+        help="data-parallel replicas (autosp.mesh(dp=...)); --batch is the global batch, split over them",
+    )
+    ap.add_argument(
+        "--ulysses",
+        type=int,
+        default=None,
+        help="lay sp out as sub-groups of this many ranks (autosp.mesh(ulysses=...)), for hybrid attention",
+    )
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds a configuration may take")
     ap.add_argument("--worker", nargs=2, default=None, help=argparse.SUPPRESS)  # [rank, world, port, cfg], out file
     args = ap.parse_args(argv)
@@ -328,22 +364,39 @@ def main(argv=None) -> None:
     records = []
     for seq in seqs:
         for system in systems:
-            cfg = dict(system=system, seq=seq, sp=args.sp, preset=preset, device=args.device, compiler=args.compiler,
-                       rank_local=args.rank_local, steps=args.steps, warmup=2, batch=args.batch, ulysses=args.ulysses,
-                       dp=args.dp, threads=threads if system != "single" else (os.cpu_count() or 1),
-                       timeout=args.timeout)
+            cfg = dict(
+                system=system,
+                seq=seq,
+                sp=args.sp,
+                preset=preset,
+                device=args.device,
+                compiler=args.compiler,
+                rank_local=args.rank_local,
+                steps=args.steps,
+                warmup=2,
+                batch=args.batch,
+                ulysses=args.ulysses,
+                dp=args.dp,
+                threads=threads if system != "single" else (os.cpu_count() or 1),
+                timeout=args.timeout,
+            )
             rec = run_config(cfg, timeout=args.timeout)
             rec.update(preset=preset, device=args.device, compiler=args.compiler)
             records.append(rec)
             print(json.dumps({k: v for k, v in rec.items() if k != "traceback"}), flush=True)
             if rec.get("traceback"):
                 print(rec["traceback"], file=sys.stderr, flush=True)
-    machine = {"host": platform.node(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
-               "python": platform.python_version(), "cuda": torch.cuda.get_device_name() if args.device == "cuda" else None}
+    machine = {
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cuda": torch.cuda.get_device_name() if args.device == "cuda" else None,
+    }
     (args.out / "results.json").write_text(json.dumps({"machine": machine, "records": records}, indent=1))
-    (args.out / "results.md").write_text(_table(records) + "\n")
+    (args.out / "results.md").write_text("\n".join(runs_table(records)) + "\n")
     _plots(records, args.out)
-    print(_table(records))
+    print("\n".join(runs_table(records)))
 
 
 if __name__ == "__main__":

@@ -4,9 +4,10 @@ A factory gets (model, input_ids, labels, mesh) and returns a zero-argument call
 forward and backward and returns the loss as a float (gradients summed over the sp group where
 the system leaves that to the user).
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -17,27 +18,33 @@ __all__ = ["SYSTEMS"]
 
 
 def single(model, ids, labels, mesh, compiler):
-    step = torch.compile(lambda i, l: model(i, l), backend=compiler, fullgraph=True)
+    step = torch.compile(lambda i, y: model(i, y), backend=compiler, fullgraph=True)
 
     def run():
         loss = step(ids, labels)
         loss.backward()
         return loss.item()
+
     return run
 
 
 def _ulysses(compiled: bool):
     def factory(model, ids, labels, mesh, compiler):
         group = mesh.sp_group
-        fn = (lambda i, l: ulysses_loss(model, i, l, group)) if not compiled else \
-            torch.compile(lambda i, l: ulysses_loss(model, i, l, group), backend=compiler)
+        fn = (
+            (lambda i, y: ulysses_loss(model, i, y, group))
+            if not compiled
+            else torch.compile(lambda i, y: ulysses_loss(model, i, y, group), backend=compiler)
+        )
 
         def run():
             local, loss = fn(ids, labels)
             local.backward()
             allreduce_grads(model, group)
             return loss.item()
+
         return run
+
     return factory
 
 
@@ -45,6 +52,7 @@ def dtensor(model, ids, labels, mesh, compiler):
     """Plain DTensor: parameters replicated, inputs sharded along the sequence, DTensor's greedy
     per-op propagation in eager mode."""
     from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+
     sp = mesh.sp_mesh
     distribute_module(model, sp)  # parameters -> replicated DTensors
     dids = distribute_tensor(ids, sp, [Shard(1)])
@@ -54,6 +62,7 @@ def dtensor(model, ids, labels, mesh, compiler):
         loss = model(dids, dlabels)
         loss.backward()
         return loss.full_tensor().item() if hasattr(loss, "full_tensor") else loss.item()
+
     return run
 
 
@@ -61,6 +70,7 @@ def context_parallel(model, ids, labels, mesh, compiler):
     """torch's ring attention: inputs sharded in place along the sequence inside the context
     manager; SDPA calls become ring attention."""
     from torch.distributed.tensor.experimental import context_parallel as cp
+
     sp = mesh.sp_mesh
     buf_ids, buf_labels = ids.clone(), labels.clone()
 
@@ -70,21 +80,24 @@ def context_parallel(model, ids, labels, mesh, compiler):
             loss.backward()
         allreduce_grads(model, mesh.sp_group)
         return loss.item()
+
     return run
 
 
 def _autosp(attention: str):
     """autosp with its attention kernel chosen by cost ("auto") or forced ("ring", "kv_gather",
     "hybrid")."""
+
     def factory(model, ids, labels, mesh, compiler):
-        step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler=compiler,
-                            attention=attention)
+        step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler=compiler, attention=attention)
 
         def run():
             loss = step(ids, labels)
             loss.backward()
             return loss.item()
+
         return run
+
     return factory
 
 
@@ -93,9 +106,11 @@ def _autosp_adamw(fsdp: bool):
     gradients and optimizer state) or sharded by FSDP2 over the sp ranks (``fully_shard`` per
     block and on the model: ZeRO-3). Gradients stay allocated between steps (zeroed, not freed),
     as DDP keeps its buckets."""
+
     def factory(model, ids, labels, mesh, compiler):
         if fsdp:
             from torch.distributed.fsdp import fully_shard
+
             for block in model.blocks:
                 fully_shard(block, mesh=mesh.sp_mesh)
             fully_shard(model, mesh=mesh.sp_mesh)
@@ -108,8 +123,10 @@ def _autosp_adamw(fsdp: bool):
             opt.step()
             opt.zero_grad(set_to_none=False)
             return loss.item()
+
         run.optimizer = opt
         return run
+
     return factory
 
 

@@ -1,5 +1,6 @@
 """A small real text corpus that ships with Python itself: the docstrings of standard-library
 modules (English prose about programming), byte-level tokens (vocab 256). No downloads."""
+
 from __future__ import annotations
 
 import importlib
@@ -9,10 +10,42 @@ import torch
 
 __all__ = ["corpus", "batches"]
 
-_MODULES = ["argparse", "asyncio", "collections", "contextlib", "csv", "dataclasses", "datetime", "decimal",
-            "email", "enum", "fractions", "functools", "heapq", "http.client", "inspect", "itertools", "json",
-            "logging", "pathlib", "pickle", "random", "re", "shutil", "socket", "statistics", "string",
-            "subprocess", "tarfile", "textwrap", "threading", "typing", "unittest", "urllib.parse", "zipfile"]
+_MODULES = [
+    "argparse",
+    "asyncio",
+    "collections",
+    "contextlib",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "email",
+    "enum",
+    "fractions",
+    "functools",
+    "heapq",
+    "http.client",
+    "inspect",
+    "itertools",
+    "json",
+    "logging",
+    "pathlib",
+    "pickle",
+    "random",
+    "re",
+    "shutil",
+    "socket",
+    "statistics",
+    "string",
+    "subprocess",
+    "tarfile",
+    "textwrap",
+    "threading",
+    "typing",
+    "unittest",
+    "urllib.parse",
+    "zipfile",
+]
 
 
 def corpus() -> torch.Tensor:
@@ -35,5 +68,5 @@ def batches(data: torch.Tensor, batch: int, seq: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     while True:
         starts = torch.randint(0, len(data) - seq, (batch,), generator=g)
-        ids = torch.stack([data[s: s + seq] for s in starts.tolist()]).long()
+        ids = torch.stack([data[s : s + seq] for s in starts.tolist()]).long()
         yield ids, ids.clone()

@@ -7,6 +7,7 @@ shift inside the model, cross-entropy with ignore_index.
 ``GPT``: learned absolute positions, tied input/output embeddings, LayerNorm with biases, GELU MLP,
 attention written out by hand with ``masked_fill``; takes labels already shifted.
 """
+
 from __future__ import annotations
 
 import math

@@ -12,6 +12,7 @@ is each process's RSS high-water mark during the training steps above its RSS af
 step (parameters and optimizer state allocated, compilation done), with glibc told to return
 freed memory at once so that RSS follows the live tensors.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,9 +29,9 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import autosp  # noqa: E402
-from examples.data import batches, corpus  # noqa: E402
-from examples.models import Llama, LlamaConfig  # noqa: E402
+import autosp
+from examples.data import batches, corpus
+from examples.models import Llama, LlamaConfig
 
 
 def _follow_live_tensors() -> None:
@@ -64,6 +65,7 @@ def train(args) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     data = batches(corpus(), args.batch, args.seq, seed=1)
     with autosp.mesh() as mesh:
+
         @autosp.shard(seq=True, compiler=args.compiler, checkpoint=args.checkpoint)
         def loss_fn(input_ids, labels):
             return model(input_ids, labels)
@@ -88,10 +90,15 @@ def train(args) -> dict:
         if dist.get_world_size() > 1:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the rank that needs most
         plan = loss_fn.plan
-        return {"sp": mesh.sp_size, "seq": args.seq, "losses": losses,
-                "tokens_per_s": tokens / max(time.perf_counter() - t0, 1e-9), "peak_bytes": int(peak.item()),
-                "predicted_bytes": plan.memory.peak if plan is not None and plan.memory is not None else None,
-                "checkpoint": plan.checkpoint.chosen if plan is not None and plan.checkpoint is not None else None}
+        return {
+            "sp": mesh.sp_size,
+            "seq": args.seq,
+            "losses": losses,
+            "tokens_per_s": tokens / max(time.perf_counter() - t0, 1e-9),
+            "peak_bytes": int(peak.item()),
+            "predicted_bytes": plan.memory.peak if plan is not None and plan.memory is not None else None,
+            "checkpoint": plan.checkpoint.chosen if plan is not None and plan.checkpoint is not None else None,
+        }
 
 
 def compare(sharded: dict, single: dict, out: Path) -> dict:
@@ -99,26 +106,35 @@ def compare(sharded: dict, single: dict, out: Path) -> dict:
     first = min(100, len(single["losses"]))
     diff = max(abs(a - b) for a, b in zip(sharded["losses"][:first], single["losses"][:first]))
     mib = 2**20
-    summary = {"steps": len(single["losses"]), "seq": single["seq"], "sp": sharded["sp"],
-               "max_loss_diff_first_steps": diff, "first_steps": first,
-               "final_loss": {"sharded": sharded["losses"][-1], "single": single["losses"][-1]},
-               "peak_bytes": {"sharded": sharded["peak_bytes"], "single": single["peak_bytes"]},
-               "peak_ratio": sharded["peak_bytes"] / max(single["peak_bytes"], 1),
-               "predicted_bytes": sharded["predicted_bytes"], "checkpoint": sharded["checkpoint"],
-               "tokens_per_s": {"sharded": sharded["tokens_per_s"], "single": single["tokens_per_s"]}}
+    summary = {
+        "steps": len(single["losses"]),
+        "seq": single["seq"],
+        "sp": sharded["sp"],
+        "max_loss_diff_first_steps": diff,
+        "first_steps": first,
+        "final_loss": {"sharded": sharded["losses"][-1], "single": single["losses"][-1]},
+        "peak_bytes": {"sharded": sharded["peak_bytes"], "single": single["peak_bytes"]},
+        "peak_ratio": sharded["peak_bytes"] / max(single["peak_bytes"], 1),
+        "predicted_bytes": sharded["predicted_bytes"],
+        "checkpoint": sharded["checkpoint"],
+        "tokens_per_s": {"sharded": sharded["tokens_per_s"], "single": single["tokens_per_s"]},
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     predicted = sharded["predicted_bytes"] / mib if sharded["predicted_bytes"] is not None else float("nan")
-    print(f"{summary['steps']} steps of {single['seq']} tokens, sp={sharded['sp']} against one device:\n"
-          f"  loss: the first {first} steps agree to {diff:.2g}; final {sharded['losses'][-1]:.4f} "
-          f"(sp={sharded['sp']}) and {single['losses'][-1]:.4f} (one device)\n"
-          f"  peak memory per rank during the steps: {sharded['peak_bytes'] / mib:.1f} MiB (autosp predicted "
-          f"{predicted:.1f} MiB; checkpoint rung {sharded['checkpoint']!r}) against one device's "
-          f"{single['peak_bytes'] / mib:.1f} MiB (plain torch.compile, no checkpointing): "
-          f"{summary['peak_ratio']:.2f}x\n"
-          f"  tokens/s: {sharded['tokens_per_s']:.0f} (sp={sharded['sp']}, both ranks on this machine) and "
-          f"{single['tokens_per_s']:.0f} (one device)")
+    print(
+        f"{summary['steps']} steps of {single['seq']} tokens, sp={sharded['sp']} against one device:\n"
+        f"  loss: the first {first} steps agree to {diff:.2g}; final {sharded['losses'][-1]:.4f} "
+        f"(sp={sharded['sp']}) and {single['losses'][-1]:.4f} (one device)\n"
+        f"  peak memory per rank during the steps: {sharded['peak_bytes'] / mib:.1f} MiB (autosp predicted "
+        f"{predicted:.1f} MiB; checkpoint rung {sharded['checkpoint']!r}) against one device's "
+        f"{single['peak_bytes'] / mib:.1f} MiB (plain torch.compile, no checkpointing): "
+        f"{summary['peak_ratio']:.2f}x\n"
+        f"  tokens/s: {sharded['tokens_per_s']:.0f} (sp={sharded['sp']}, both ranks on this machine) and "
+        f"{single['tokens_per_s']:.0f} (one device)"
+    )
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -126,8 +142,12 @@ def compare(sharded: dict, single: dict, out: Path) -> dict:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(single["losses"], "-", label="one device")
     ax.plot(sharded["losses"], "--", label=f"autosp, sp={sharded['sp']}")
-    ax.set_xlabel("step"); ax.set_ylabel("loss"); ax.legend(); ax.grid(alpha=0.3)  # noqa: E702
-    fig.tight_layout(); fig.savefig(out / "loss.png", dpi=120)  # noqa: E702
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "loss.png", dpi=120)
     print(f"  wrote {out / 'summary.json'} and {out / 'loss.png'}")
     return summary
 
@@ -159,11 +179,37 @@ def main() -> None:
     if rank0 and sharded and not args.no_reference:
         # the same training as one process, after the ranks are done (the cores are free again)
         ref = args.out / "single"
-        cmd = [sys.executable, __file__, "--steps", str(args.steps), "--seq", str(args.seq), "--batch",
-               str(args.batch), "--lr", str(args.lr), "--compiler", args.compiler, "--checkpoint",
-               str(args.checkpoint), "--out", str(ref)]
-        launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+        cmd = [
+            sys.executable,
+            __file__,
+            "--steps",
+            str(args.steps),
+            "--seq",
+            str(args.seq),
+            "--batch",
+            str(args.batch),
+            "--lr",
+            str(args.lr),
+            "--compiler",
+            args.compiler,
+            "--checkpoint",
+            str(args.checkpoint),
+            "--out",
+            str(ref),
+        ]
+        launcher = (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+            "GROUP_RANK",
+            "GROUP_WORLD_SIZE",
+            "ROLE_RANK",
+            "ROLE_WORLD_SIZE",
+            "ROLE_NAME",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        )
         env = {k: v for k, v in os.environ.items() if k not in launcher and not k.startswith("TORCHELASTIC")}
         print("one device, the same training:")
         subprocess.run(cmd, env=env, check=True)

@@ -7,13 +7,14 @@ divides the sp size), attention runs on all tokens for H/N heads, and the output
 back. The loss is token-weighted: local sum of the per-token losses over the global count of
 valid tokens; gradients are summed over the sp group afterwards (``allreduce_grads``).
 """
+
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.utils.checkpoint
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from .models import Llama, _causal_attention, _rope, _rotate_half
 

@@ -7,6 +7,7 @@ rank's traceback. A worker that dies, or a run that does not answer within the t
 test with every rank's Python stack (faulthandler) and breaks the pool: the ``pools`` fixture starts
 a fresh one for the next test, so one hang costs one test, not the rest of the suite.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,14 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, timeout_s: float, stack_file: str, backend: str, inq, outq) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
     import datetime
     import faulthandler
 
@@ -51,7 +58,7 @@ def _worker(rank: int, world: int, port: int, timeout_s: float, stack_file: str,
         fn, args = item
         try:
             outq.put((rank, True, fn(*args)))
-        except BaseException:  # noqa: BLE001 - everything goes back to the test
+        except BaseException:
             outq.put((rank, False, traceback.format_exc()))
     if backend == "gloo":
         # nothing to flush, and destroy_process_group waits on the peers (about 20 s of the
@@ -69,10 +76,23 @@ class Pool:
         self.outq = ctx.Queue()
         self.stack_dir = tempfile.mkdtemp(prefix=f"autosp-{backend}{world}-")
         port = _free_port()
-        self.procs = [ctx.Process(target=_worker, daemon=True,
-                                  args=(r, world, port, timeout_s, os.path.join(self.stack_dir, f"rank{r}.txt"),
-                                        backend, self.inq[r], self.outq))
-                      for r in range(world)]
+        self.procs = [
+            ctx.Process(
+                target=_worker,
+                daemon=True,
+                args=(
+                    r,
+                    world,
+                    port,
+                    timeout_s,
+                    os.path.join(self.stack_dir, f"rank{r}.txt"),
+                    backend,
+                    self.inq[r],
+                    self.outq,
+                ),
+            )
+            for r in range(world)
+        ]
         for p in self.procs:
             p.start()
         self._collect(timeout=300.0, what="process group start")
@@ -93,8 +113,10 @@ class Pool:
                 if dead:
                     self._fail(f"pool of {self.world}: worker(s) died (rank, exit code) {dead} during {what}")
                 if time.monotonic() > deadline:
-                    self._fail(f"pool of {self.world}: no answer within {timeout} s from {self.world - answered} "
-                               f"rank(s) during {what}" + "".join("\n" + e for e in errors))
+                    self._fail(
+                        f"pool of {self.world}: no answer within {timeout} s from {self.world - answered} "
+                        f"rank(s) during {what}" + "".join("\n" + e for e in errors)
+                    )
                 continue
             answered += 1
             if ok:

@@ -1,5 +1,6 @@
 """What the gloo workers run (module-level, so spawn can import them). Each returns plain data;
 the tests in test_*.py state the invariants."""
+
 from __future__ import annotations
 
 import copy
@@ -38,9 +39,18 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-def exactness(kind: str, b: int, L: int, steps: int = 3, compiler: str = "aot_eager",
-              dtype: torch.dtype = torch.float32, device: str = "cpu", checkpoint="auto", attention="auto",
-              ulysses: int | None = None) -> dict:
+def exactness(
+    kind: str,
+    b: int,
+    L: int,
+    steps: int = 3,
+    compiler: str = "aot_eager",
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    checkpoint="auto",
+    attention="auto",
+    ulysses: int | None = None,
+) -> dict:
     """Loss and grads of the first step, and parameters after ``steps`` AdamW steps, against the
     same model trained on one device (in this process, on the full batch, on ``device``)."""
     torch.manual_seed(0)
@@ -50,8 +60,12 @@ def exactness(kind: str, b: int, L: int, steps: int = 3, compiler: str = "aot_ea
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     out = {}
     with autosp.mesh(ulysses=ulysses):
-        step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler=compiler,
-                            checkpoint=checkpoint, attention=attention)
+        step = autosp.shard(
+            lambda input_ids, labels: model(input_ids, labels),
+            compiler=compiler,
+            checkpoint=checkpoint,
+            attention=attention,
+        )
         for i in range(steps):
             ids, labels = (t.to(device) for t in batch(kind, b, L, seed=i))
             loss = step(ids, labels)
@@ -60,8 +74,13 @@ def exactness(kind: str, b: int, L: int, steps: int = 3, compiler: str = "aot_ea
             loss_ref.backward()
             if i == 0:
                 out["loss"] = (loss.item(), loss_ref.item())
-                out["grad_err"] = {n: _rel(p.grad, q.grad) for (n, p), q in zip(model.named_parameters(), ref.parameters())}
-            opt.step(); opt.zero_grad(); opt_ref.step(); opt_ref.zero_grad()
+                out["grad_err"] = {
+                    n: _rel(p.grad, q.grad) for (n, p), q in zip(model.named_parameters(), ref.parameters())
+                }
+            opt.step()
+            opt.zero_grad()
+            opt_ref.step()
+            opt_ref.zero_grad()
     out["param_err"] = max(_rel(p, q) for p, q in zip(model.parameters(), ref.parameters()))
     out["planned"] = step.plan is not None
     out["checkpoint"] = step.plan.checkpoint.chosen if step.plan is not None else None
@@ -87,13 +106,15 @@ def comm(kind: str, b: int, L: int, checkpoint="auto") -> dict:
     """The collectives gloo ran in one training step (after a warm-up step), for autosp and for
     hand-written Ulysses on the same model and batch: [(event name, elements)]."""
     from examples.ulysses import allreduce_grads, ulysses_loss
+
     torch.manual_seed(0)
     model = MODELS[kind]()
     ids, labels = batch(kind, b, L, seed=0)
     res = {}
     with autosp.mesh():
-        step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager",
-                            checkpoint=checkpoint)
+        step = autosp.shard(
+            lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager", checkpoint=checkpoint
+        )
         step(ids, labels).backward()
         with torch.profiler.profile(record_shapes=True) as prof:
             step(ids, labels).backward()
@@ -128,7 +149,10 @@ def work(kind: str, b: int, L: int) -> dict:
                 saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
 
-        with torch.profiler.profile(with_flops=True) as prof, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with (
+            torch.profiler.profile(with_flops=True) as prof,
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        ):
             fn().backward()
         flops = sum(e.flops for e in prof.events() if e.flops)
         return flops, sum(saved.values())
@@ -150,7 +174,7 @@ def _step_error(kind: str, b: int, L: int, **mesh_kwargs) -> str:
         step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager")
         try:
             step(ids, labels).backward()
-        except Exception as e:  # noqa: BLE001 - the message is the result
+        except Exception as e:
             return f"{type(e).__name__}: {e}"
     return "no error"
 
@@ -166,6 +190,7 @@ def redistribute_roundtrip(shape: list[int], src: str, dst: str, seed: int) -> f
     when n does not divide a block); Partial sources: random parts that sum to it."""
     from autosp.partition._collectives import redistribute
     from autosp.propagate._placement import parse_placement, shard_spec
+
     n, r = dist.get_world_size(), dist.get_rank()
     g = torch.Generator().manual_seed(seed)
     full = torch.randn(shape, generator=g, dtype=torch.float64)
@@ -177,9 +202,9 @@ def redistribute_roundtrip(shape: list[int], src: str, dst: str, seed: int) -> f
         if spec is None:
             return t
         d, sf = spec
-        blocks = t.reshape(shape[:d] + [sf, shape[d] // sf] + shape[d + 1:])
+        blocks = t.reshape(shape[:d] + [sf, shape[d] // sf] + shape[d + 1 :])
         mine = torch.tensor_split(blocks, n, dim=d + 1)[r]
-        return mine.reshape(shape[:d] + [-1] + shape[d + 1:])
+        return mine.reshape(shape[:d] + [-1] + shape[d + 1 :])
 
     if src.startswith("P"):
         x = parts[r] if r < n - 1 else full - sum(parts)
@@ -224,12 +249,16 @@ def _hf_compare(model, ref, ids: torch.Tensor, labels: torch.Tensor, attention: 
     each gradient's relative error, and the plan's collective kinds. A gradient that is zero in
     exact arithmetic (an attention key bias: softmax ignores a shift of every score in a row) is
     roundoff on both sides; its error is measured against 1e-4 of the model's largest gradient."""
+
     def call(m, input_ids, labels, **kw):
         return m(input_ids=input_ids, labels=labels, **kw).loss
 
     with autosp.mesh():
-        step = autosp.shard(lambda input_ids, labels, **kw: call(model, input_ids, labels, **kw), compiler="aot_eager",
-                            attention=attention)
+        step = autosp.shard(
+            lambda input_ids, labels, **kw: call(model, input_ids, labels, **kw),
+            compiler="aot_eager",
+            attention=attention,
+        )
         loss = step(ids, labels, **kwargs)
         loss.backward()
         kinds = sorted({c.kind for c in step.plan.collectives})
@@ -244,6 +273,7 @@ def _hf_compare(model, ref, ids: torch.Tensor, labels: torch.Tensor, attention: 
 def hf_exactness(arch: str, attn: str, b: int, L: int, generic: bool = False) -> dict:
     """A Hugging Face causal LM, unmodified, with the loss it computes from ``labels``."""
     import hf_models
+
     model = (hf_models.build_generic if generic else hf_models.build)(arch, attn)
     ref = copy.deepcopy(model)
     g = torch.Generator().manual_seed(0)
@@ -254,8 +284,9 @@ def hf_exactness(arch: str, attn: str, b: int, L: int, generic: bool = False) ->
 
 
 def _token_losses(logits, targets):
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none",
-                                             ignore_index=-100).view(targets.shape)
+    return torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), targets.flatten(), reduction="none", ignore_index=-100
+    ).view(targets.shape)
 
 
 def _preshift(ids):
@@ -269,19 +300,23 @@ LOSS_FNS = {
     "shift_inside": lambda m, ids, labels: m(ids, labels),
     # labels shifted by the data pipeline; the model never sees them
     "preshifted": lambda m, ids, labels: torch.nn.functional.cross_entropy(
-        m(ids).flatten(0, 1), labels.flatten(), ignore_index=-100),
+        m(ids).flatten(0, 1), labels.flatten(), ignore_index=-100
+    ),
     # a masked sum divided by a count, written out
     "masked_sum_over_count": lambda m, ids, labels: (
-        (_token_losses(m(ids), labels) * (labels != -100)).sum() / (labels != -100).sum()),
+        (_token_losses(m(ids), labels) * (labels != -100)).sum() / (labels != -100).sum()
+    ),
     # a plain sum (the caller divides later, e.g. by tokens in the whole accumulation window)
     "sum": lambda m, ids, labels: _token_losses(m(ids), labels).sum(),
     # per-sequence means, then the mean over the batch (sample-weighted, not token-weighted)
     "per_sequence_mean": lambda m, ids, labels: (
-        (_token_losses(m(ids), labels).sum(1) / (labels != -100).sum(1).clamp_min(1)).mean()),
+        _token_losses(m(ids), labels).sum(1) / (labels != -100).sum(1).clamp_min(1)
+    ).mean(),
     # token mean plus a z-loss on the log-partition (PaLM)
     "z_loss": lambda m, ids, labels: (
         torch.nn.functional.cross_entropy(m(ids).flatten(0, 1), labels.flatten(), ignore_index=-100)
-        + 1e-4 * m(ids).logsumexp(-1).pow(2).mean()),
+        + 1e-4 * m(ids).logsumexp(-1).pow(2).mean()
+    ),
 }
 
 
@@ -310,16 +345,19 @@ def loss_exactness(case: str, b: int, L: int) -> dict:
         loss.backward()
     loss_ref = fn(ref, ids, labels)
     loss_ref.backward()
-    return {"loss": (loss.item(), loss_ref.item()),
-            "grad_err": {n: _rel(p.grad, q.grad) for (n, p), q in zip(model.named_parameters(), ref.parameters())},
-            "planned": step.plan is not None}
+    return {
+        "loss": (loss.item(), loss_ref.item()),
+        "grad_err": {n: _rel(p.grad, q.grad) for (n, p), q in zip(model.named_parameters(), ref.parameters())},
+        "planned": step.plan is not None,
+    }
 
 
 def low_precision(mode: str, b: int, L: int) -> dict:
     """bf16 training, three ways users run it: bf16 parameters ("bf16"), fp32 parameters under
     CPU autocast to bf16 ("autocast"), or FSDP2 with fp32 shards computing in bf16 and reducing
-    gradients in fp32 ("fsdp_bf16"; on one device: the bf16 model). Returns, for the sharded step and for the same step on one
-    device, the loss and the worst relative gradient error, both against an fp64 run."""
+    gradients in fp32 ("fsdp_bf16"; on one device: the bf16 model). Returns, for the sharded step
+    and for the same step on one device, the loss and the worst relative gradient error, both
+    against an fp64 run."""
     torch.manual_seed(0)
     base = MODELS["llama"]()
     ids, labels = batch("llama", b, L, seed=0)
@@ -336,21 +374,23 @@ def low_precision(mode: str, b: int, L: int) -> dict:
     def make(sharded: bool = False):
         model = copy.deepcopy(base)
         if mode == "bf16":
-            return model.to(torch.bfloat16), lambda i, l: model(i, l)
+            return model.to(torch.bfloat16), lambda i, y: model(i, y)
         if mode == "fsdp_bf16":  # fp32 shards, bf16 compute, fp32 gradient reduction
             if sharded:
                 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
                 mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
                 for block in model.blocks:
                     fully_shard(block, mp_policy=mp)
                 fully_shard(model, mp_policy=mp)
-                return model, lambda i, l: model(i, l)
+                return model, lambda i, y: model(i, y)
             model = model.to(torch.bfloat16)  # one device: the same bf16 compute
-            return model, lambda i, l: model(i, l)
+            return model, lambda i, y: model(i, y)
 
-        def fn(i, l):
+        def fn(i, y):
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                return model(i, l)
+                return model(i, y)
+
         return model, fn
 
     single_model, single_fn = make()
@@ -359,8 +399,12 @@ def low_precision(mode: str, b: int, L: int) -> dict:
         model, fn = make(sharded=True)
         step = autosp.shard(lambda input_ids, labels: fn(input_ids, labels), compiler="aot_eager")
         sharded = run(model, step)
-    return {"sharded": sharded, "single": single, "fp64_loss": ref(ids, labels).item(),
-            "planned": step.plan is not None}
+    return {
+        "sharded": sharded,
+        "single": single,
+        "fp64_loss": ref(ids, labels).item(),
+        "planned": step.plan is not None,
+    }
 
 
 def hf_masked_exactness(arch: str, attn: str, kind: str, b: int, L: int, attention: str = "auto") -> dict:
@@ -369,6 +413,7 @@ def hf_masked_exactness(arch: str, attn: str, kind: str, b: int, L: int, attenti
     documents whose ``position_ids`` restart at each document start ("packed": HF builds the
     document-causal mask from them). Loss and grads against one device."""
     import hf_models
+
     model = hf_models.build(arch, attn)
     ref = copy.deepcopy(model)
     g = torch.Generator().manual_seed(0)
@@ -400,9 +445,17 @@ def random_hf_exactness(cfg: dict) -> dict:
     attn), rows right-padded by up to ``pad`` tokens (attention_mask 0, labels -100 there)."""
     import hf_models  # noqa: F401 - sets the offline flag
     import transformers as T
-    c = T.LlamaConfig(hidden_size=cfg["heads"] * cfg["head_dim"], intermediate_size=48, num_attention_heads=cfg["heads"],
-                      num_key_value_heads=cfg["kv_heads"], head_dim=cfg["head_dim"], num_hidden_layers=cfg["layers"],
-                      vocab_size=64, use_cache=False)
+
+    c = T.LlamaConfig(
+        hidden_size=cfg["heads"] * cfg["head_dim"],
+        intermediate_size=48,
+        num_attention_heads=cfg["heads"],
+        num_key_value_heads=cfg["kv_heads"],
+        head_dim=cfg["head_dim"],
+        num_hidden_layers=cfg["layers"],
+        vocab_size=64,
+        use_cache=False,
+    )
     torch.manual_seed(0)
     model = T.AutoModelForCausalLM.from_config(c, attn_implementation=cfg["attn"])
     model.loss_type = "ForCausalLM"
@@ -414,8 +467,8 @@ def random_hf_exactness(cfg: dict) -> dict:
     for row in range(b):
         pad = cfg["pad"] // (row + 1)
         if pad:
-            mask[row, L - pad:] = 0
-            labels[row, L - pad:] = -100
+            mask[row, L - pad :] = 0
+            labels[row, L - pad :] = -100
     return _hf_compare(model, ref, ids, labels, **({"attention_mask": mask} if cfg["pad"] else {}))
 
 
@@ -424,8 +477,18 @@ def dropout_run(p: float) -> dict:
     same seed, and the dropout op itself on a known input."""
     import hf_models  # noqa: F401 - offline flag
     import transformers as T
-    cfg = T.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=256, vocab_size=128, use_cache=False,
-                       resid_pdrop=p, embd_pdrop=p, attn_pdrop=p)
+
+    cfg = T.GPT2Config(
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=256,
+        vocab_size=128,
+        use_cache=False,
+        resid_pdrop=p,
+        embd_pdrop=p,
+        attn_pdrop=p,
+    )
     torch.manual_seed(0)
     model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     model.loss_type = "ForCausalLM"
@@ -433,7 +496,9 @@ def dropout_run(p: float) -> dict:
     ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(0))
     out = {}
     with autosp.mesh():
-        step = autosp.shard(lambda input_ids, labels: model(input_ids=input_ids, labels=labels).loss, compiler="aot_eager")
+        step = autosp.shard(
+            lambda input_ids, labels: model(input_ids=input_ids, labels=labels).loss, compiler="aot_eager"
+        )
         for run in (0, 1):
             torch.manual_seed(123)
             model.zero_grad()
@@ -468,10 +533,13 @@ def dp_exactness(kind: str, b: int, L: int, dp: int) -> dict:
         loss = step(ids, labels)
         loss.backward()
         r, sp = m.dp_rank, m.sp_size
-    losses = [ref(i, l) for i, l in zip(ids.tensor_split(dp), labels.tensor_split(dp))]
+    losses = [ref(i, y) for i, y in zip(ids.tensor_split(dp), labels.tensor_split(dp))]
     (sum(losses) / dp).backward()
-    return {"loss": (loss.item(), losses[r].item()), "sp": sp,
-            "grad_err": {n: _rel(p.grad, q.grad) for (n, p), q in zip(model.named_parameters(), ref.parameters())}}
+    return {
+        "loss": (loss.item(), losses[r].item()),
+        "sp": sp,
+        "grad_err": {n: _rel(p.grad, q.grad) for (n, p), q in zip(model.named_parameters(), ref.parameters())},
+    }
 
 
 def gqa_op_exactness(L: int) -> dict:
@@ -497,9 +565,11 @@ def gqa_op_exactness(L: int) -> dict:
         proj.zero_grad()
         ref = step(x)
         ref.backward()
-    return {"loss": (loss.item(), ref.item()),
-            "grad_err": max(_rel(g, p.grad) for g, p in zip(grads, proj.parameters())),
-            "notes": list(sharded.plan.notes)}
+    return {
+        "loss": (loss.item(), ref.item()),
+        "grad_err": max(_rel(g, p.grad) for g, p in zip(grads, proj.parameters())),
+        "notes": list(sharded.plan.notes),
+    }
 
 
 def largest_peaks() -> list[int]:
@@ -507,6 +577,7 @@ def largest_peaks() -> list[int]:
     with uneven shards); every rank must get the same per-rung maxima."""
     from autosp.backend import Options, SpContext
     from autosp.backend._checks import largest_peaks
+
     with autosp.mesh() as m:
         r = dist.get_rank()
         return largest_peaks(SpContext.of(m, Options()))([100 + r, 50 - r, 10 * (r + 1)])
@@ -516,22 +587,25 @@ def _document_mask(S: int, dtype: torch.dtype) -> torch.Tensor:
     """A document-causal additive mask (documents start at S/3 + 1 and S/2 + 3) with query row 1
     masked out entirely (-inf everywhere: the kernel's out and log-sum-exp are 0 there)."""
     doc = torch.zeros(S, dtype=torch.long)
-    doc[S // 3 + 1:] += 1
-    doc[S // 2 + 3:] += 1
+    doc[S // 3 + 1 :] += 1
+    doc[S // 2 + 3 :] += 1
     i = torch.arange(S)
     ok = (doc[:, None] == doc[None, :]) & (i[None, :] <= i[:, None])
     ok[1] = False
     return torch.zeros(S, S, dtype=dtype).masked_fill(~ok, float("-inf")).expand(2, 1, S, S)
 
 
-def ring_kernel(S: int, causal: bool, dtype: torch.dtype = torch.float64, heads: tuple[int, int] = (3, 3),
-                mask: bool = False) -> dict:
+def ring_kernel(
+    S: int, causal: bool, dtype: torch.dtype = torch.float64, heads: tuple[int, int] = (3, 3), mask: bool = False
+) -> dict:
     """Ring attention's forward and backward on this rank's chunks of q, k, v (and of the output's
     gradient) against the CPU attention kernel on the whole sequence: the largest error of the
     output, log-sum-exp and the three gradients, relative, and the gloo collectives that ran.
     ``mask``: a document mask (``_document_mask``) instead of ``causal``."""
     from autosp.partition._attention import ring_attention, ring_attention_backward
-    from autosp.propagate._attention import bounds as _bounds, ring_bytes
+    from autosp.propagate._attention import bounds as _bounds
+    from autosp.propagate._attention import ring_bytes
+
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
     g = torch.Generator().manual_seed(S)
@@ -546,15 +620,21 @@ def ring_kernel(S: int, causal: bool, dtype: torch.dtype = torch.float64, heads:
     mine = [t.narrow(2, a, b - a).contiguous() for t in (q, k, v, go)]
     kw = dict(S=S, rank=r, n=n, group=dist.group.WORLD, is_causal=causal, attn_mask=m)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
-        o, l = ring_attention(*mine[:3], **kw)
+        o, lse_r = ring_attention(*mine[:3], **kw)
         grads = ring_attention_backward(mine[3], *mine[:3], out.narrow(2, a, b - a), lse.narrow(2, a, b - a), **kw)
-        o, l, *grads = (x * 1 for x in (o, l, *grads))  # waits for the last exchanges inside the profile
+        o, lse_r, *grads = (x * 1 for x in (o, lse_r, *grads))  # waits for the last exchanges inside the profile
     # relative to the whole reference (a row's own gradient can be 0: one query seeing one key)
-    errs = [((x - y.narrow(2, a, b - a)).abs().max() / y.abs().max()).item() if x.numel() else 0.0
-            for x, y in zip((o, l, *grads), ref)]
+    errs = [
+        ((x - y.narrow(2, a, b - a)).abs().max() / y.abs().max()).item() if x.numel() else 0.0
+        for x, y in zip((o, lse_r, *grads), ref)
+    ]
     events = _gloo_events(prof)
-    return {"err": max(errs), "events": events, "sent": sum(numel for _, numel in events) * q.element_size(),
-            "planned": sum(ring_bytes(q, k, v, n, causal))}
+    return {
+        "err": max(errs),
+        "events": events,
+        "sent": sum(numel for _, numel in events) * q.element_size(),
+        "planned": sum(ring_bytes(q, k, v, n, causal)),
+    }
 
 
 def schedule_mismatch() -> str:
@@ -562,13 +642,17 @@ def schedule_mismatch() -> str:
     fake tensors, so nothing runs): the schedule check must refuse them on every rank."""
     import torch.distributed._functional_collectives as funcol
     from torch.fx.experimental.proxy_tensor import make_fx
+
     from autosp.backend import Options, SpContext
     from autosp.backend._checks import check_same_schedule
+
     with autosp.mesh() as m:
+
         def f(x):
             for _ in range(1 + dist.get_rank()):
                 x = funcol.all_reduce(x, "sum", m.sp_group.group_name)
             return x * 1
+
         gm = make_fx(f, tracing_mode="fake")(torch.ones(2))
         try:
             check_same_schedule(gm, gm, SpContext.of(m, Options()))
@@ -582,7 +666,9 @@ def hybrid_kernel(S: int, causal: bool, heads: tuple[int, int] = (4, 2), u: int 
     across) on this rank's chunks, against the CPU kernel on the whole sequence (fp64): the
     largest relative error, the gloo bytes sent and ``hybrid_bytes``' charge."""
     from autosp.partition._attention import hybrid_attention, hybrid_attention_backward
-    from autosp.propagate._attention import bounds as _bounds, hybrid_bytes
+    from autosp.propagate._attention import bounds as _bounds
+    from autosp.propagate._attention import hybrid_bytes
+
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
     g = torch.Generator().manual_seed(S)
@@ -598,19 +684,33 @@ def hybrid_kernel(S: int, causal: bool, heads: tuple[int, int] = (4, 2), u: int 
         inner, outer = m.hybrid_groups
         kw = dict(S=S, rank=r, n=n, u=u, inner=inner, outer=outer, is_causal=causal)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
-            o, l = hybrid_attention(*mine[:3], **kw)
-            grads = hybrid_attention_backward(mine[3], *mine[:3], out.narrow(2, a, b - a), lse.narrow(2, a, b - a), **kw)
-            o, l, *grads = (x * 1 for x in (o, l, *grads))
-    errs = [((x - y.narrow(2, a, b - a)).abs().max() / y.abs().max()).item() for x, y in zip((o, l, *grads), ref)]
+            o, lse_r = hybrid_attention(*mine[:3], **kw)
+            grads = hybrid_attention_backward(
+                mine[3], *mine[:3], out.narrow(2, a, b - a), lse.narrow(2, a, b - a), **kw
+            )
+            o, lse_r, *grads = (x * 1 for x in (o, lse_r, *grads))
+    errs = [((x - y.narrow(2, a, b - a)).abs().max() / y.abs().max()).item() for x, y in zip((o, lse_r, *grads), ref)]
     events = _gloo_events(prof)
     # gloo's all-to-all events count the whole input, this rank's own 1/u of each tensor included
-    own = sum(t.numel() for t in (*mine[:3], o, *mine[:3], o, mine[3], *grads)) * 8 + 2 * l.numel() * 8
-    return {"err": max(errs), "sent": sum(numel for _, numel in events) * 8 - own / u,
-            "planned": sum(hybrid_bytes(q, k, v, n, u, causal))}
+    own = sum(t.numel() for t in (*mine[:3], o, *mine[:3], o, mine[3], *grads)) * 8 + 2 * lse_r.numel() * 8
+    return {
+        "err": max(errs),
+        "sent": sum(numel for _, numel in events) * 8 - own / u,
+        "planned": sum(hybrid_bytes(q, k, v, n, u, causal)),
+    }
 
 
-def fsdp_exactness(kind: str, b: int, L: int, dp: int, over: str, steps: int = 2, reshard: bool = True,
-                   dtype: torch.dtype = torch.float64, as_module: bool = False) -> dict:
+def fsdp_exactness(
+    kind: str,
+    b: int,
+    L: int,
+    dp: int,
+    over: str,
+    steps: int = 2,
+    reshard: bool = True,
+    dtype: torch.dtype = torch.float64,
+    as_module: bool = False,
+) -> dict:
     """FSDP2 (``fully_shard`` per block and on the model) under ``autosp.shard`` on a dp x sp mesh,
     parameters sharded ``over`` "dp", "sp", "hsdp" (the autosp mesh: sharded over sp, replicated
     over dp) or "world". Against one device on the same slices with DDP's averaging: each step's
@@ -626,8 +726,12 @@ def fsdp_exactness(kind: str, b: int, L: int, dp: int, over: str, steps: int = 2
     ref = copy.deepcopy(model)
     full_numel = sum(p.numel() for p in model.parameters())
     with autosp.mesh(dp=dp) as m:
-        mesh = {"dp": lambda: m.device_mesh["dp"], "sp": lambda: m.device_mesh["sp"], "hsdp": lambda: m.device_mesh,
-                "world": lambda: init_device_mesh("cpu", (dist.get_world_size(),))}[over]()
+        mesh = {
+            "dp": lambda: m.device_mesh["dp"],
+            "sp": lambda: m.device_mesh["sp"],
+            "hsdp": lambda: m.device_mesh,
+            "world": lambda: init_device_mesh("cpu", (dist.get_world_size(),)),
+        }[over]()
         for block in model.blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh)
@@ -649,23 +753,40 @@ def fsdp_exactness(kind: str, b: int, L: int, dp: int, over: str, steps: int = 2
             losses.append((loss.item(), ref_losses[m.dp_rank].item()))
             if i == 0:
                 assert all(isinstance(p.grad, DTensor) for p in model.parameters())
-                grad_err = {n: _rel(p.grad.full_tensor(), q.grad) for (n, p), q in zip(model.named_parameters(),
-                                                                                        ref.parameters())}
+                grad_err = {
+                    n: _rel(p.grad.full_tensor(), q.grad)
+                    for (n, p), q in zip(model.named_parameters(), ref.parameters())
+                }
             opt.step(), ref_opt.step()
             opt.zero_grad(), ref_opt.zero_grad()
         # what ran, as the profiler recorded it: the gather op calls (each issues one gloo all-gather
         # inside) and the gloo all-gathers themselves, forward and backward
-        ran = [(sum(e.name == "autosp::fsdp_gather" for e in prof.events()),
-                sum(e.name == "gloo:all_gather" for e in prof.events())) for prof in (fwd, bwd)]
+        ran = [
+            (
+                sum(e.name == "autosp::fsdp_gather" for e in prof.events()),
+                sum(e.name == "gloo:all_gather" for e in prof.events()),
+            )
+            for prof in (fwd, bwd)
+        ]
         local_numel = sum(p.to_local().numel() for p in model.parameters())
-        state_numel = sum(t.to_local().numel() for s in opt.state.values() for t in s.values()
-                          if isinstance(t, DTensor))
+        state_numel = sum(
+            t.to_local().numel() for s in opt.state.values() for t in s.values() if isinstance(t, DTensor)
+        )
         param_err = max(_rel(p.full_tensor(), q) for p, q in zip(model.parameters(), ref.parameters()))
         notes = list((model.forward if as_module else step).plan.notes)
-    return {"notes": notes, "losses": losses, "grad_err": grad_err, "param_err": param_err, "full_numel": full_numel,
-            "local_numel": local_numel, "state_numel": state_numel, "shard_ranks": mesh.size(mesh.ndim - 1),
-            "params": len(list(model.parameters())), "block_params": len(list(model.blocks.parameters())),
-            "gathers": ran}
+    return {
+        "notes": notes,
+        "losses": losses,
+        "grad_err": grad_err,
+        "param_err": param_err,
+        "full_numel": full_numel,
+        "local_numel": local_numel,
+        "state_numel": state_numel,
+        "shard_ranks": mesh.size(mesh.ndim - 1),
+        "params": len(list(model.parameters())),
+        "block_params": len(list(model.blocks.parameters())),
+        "gathers": ran,
+    }
 
 
 def fsdp_ops(over: str) -> dict:
@@ -677,6 +798,7 @@ def fsdp_ops(over: str) -> dict:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from autosp.partition._fsdp import fsdp_gather, fsdp_reduce
+
     r, world = dist.get_rank(), dist.get_world_size()
     out = {}
     with autosp.mesh(dp=2) as m:
@@ -688,18 +810,30 @@ def fsdp_ops(over: str) -> dict:
             full = torch.randn(shape, generator=torch.Generator().manual_seed(size), dtype=torch.float64)
             shard = distribute_tensor(full, mesh, [Shard(dim)]).to_local()
             got = fsdp_gather(shard, dim, size, n, outer, 2, True, full.dtype, full.dtype, group.group_name)
-            contrib = [torch.randn(shape, generator=torch.Generator().manual_seed(100 + k), dtype=torch.float64)
-                       for k in range(world)]
-            reduced = fsdp_reduce(contrib[r], dim, shard.shape[dim], n, outer, 2, full.dtype, full.dtype,
-                                  group.group_name)
+            contrib = [
+                torch.randn(shape, generator=torch.Generator().manual_seed(100 + k), dtype=torch.float64)
+                for k in range(world)
+            ]
+            reduced = fsdp_reduce(
+                contrib[r], dim, shard.shape[dim], n, outer, 2, full.dtype, full.dtype, group.group_name
+            )
             want = distribute_tensor(sum(contrib) / 2, mesh, [Shard(dim)]).to_local()
-            out[(size, dim)] = (tuple(shard.shape), (got - full).abs().max().item(), (reduced - want).abs().max().item()
-                                if want.numel() else 0.0, tuple(reduced.shape) == tuple(want.shape))
+            out[(size, dim)] = (
+                tuple(shard.shape),
+                (got - full).abs().max().item(),
+                (reduced - want).abs().max().item() if want.numel() else 0.0,
+                tuple(reduced.shape) == tuple(want.shape),
+            )
         model = MODELS["llama"]()
-        fully_shard(model, mesh=m.device_mesh["dp"], mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                                                     output_dtype=torch.float32))
+        fully_shard(
+            model,
+            mesh=m.device_mesh["dp"],
+            mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32),
+        )
         try:
-            autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager")(*batch("llama", 2, 16, 0))
+            autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager")(
+                *batch("llama", 2, 16, 0)
+            )
             out["error"] = None
         except ValueError as e:
             out["error"] = str(e)
@@ -716,8 +850,9 @@ def fsdp_ops(over: str) -> dict:
 
         autosp.shard(lambda x: loss_fn(net, x), compiler="aot_eager")(x).backward()
         loss_fn(ref, x).backward()  # dp replicas take halves of the batch: the mean of their losses
-        out["replicated_grad"] = max(_rel(p.grad.full_tensor(), q.grad) for p, q in zip(net.parameters(), ref.parameters())
-                                     if p.grad is not None)
+        out["replicated_grad"] = max(
+            _rel(p.grad.full_tensor(), q.grad) for p, q in zip(net.parameters(), ref.parameters()) if p.grad is not None
+        )
         net["lin"].set_requires_gradient_sync(False)
         try:
             autosp.shard(lambda x: loss_fn(net, x), compiler="aot_eager")(x)
@@ -726,8 +861,9 @@ def fsdp_ops(over: str) -> dict:
             out["no_sync"] = str(e)
         hidden = {"models": [fully_shard(MODELS["llama"](), mesh=m.device_mesh["dp"])]}  # two levels down
         try:
-            autosp.shard(lambda input_ids, labels: hidden["models"][0](input_ids, labels),
-                         compiler="aot_eager")(*batch("llama", 2, 16, 0))
+            autosp.shard(lambda input_ids, labels: hidden["models"][0](input_ids, labels), compiler="aot_eager")(
+                *batch("llama", 2, 16, 0)
+            )
             out["hidden"] = None
         except autosp.GraphBreakError as e:
             out["hidden"] = str(e)
@@ -740,6 +876,7 @@ def tiled(fn, *args, min_rows: int = 8, **kwargs):
     last tiled rung ("full + loss, N tiles"; on these small graphs the untiled "full" would
     predict less memory and be taken)."""
     from autosp.partition import _checkpoint, _tiling
+
     keep, select = _tiling.MIN_TILE_ROWS, _checkpoint.select
 
     def last_tiled(policy, rungs, peaks=None):

@@ -5,7 +5,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest
 import torch
 import torch.distributed as dist
-
 from _pool import Pool
 
 torch.set_num_threads(1)

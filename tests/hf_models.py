@@ -1,34 +1,63 @@
 """Tiny random-init Hugging Face causal LMs, built from configs (no downloads)."""
+
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 _COMMON = dict(vocab_size=128, num_hidden_layers=2)
-_DROPOUT = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout",
-            "activation_dropout", "embd_pdrop", "summary_first_dropout")
+_DROPOUT = (
+    "attention_dropout",
+    "hidden_dropout",
+    "resid_pdrop",
+    "embd_pdrop",
+    "attn_pdrop",
+    "dropout",
+    "activation_dropout",
+    "embd_pdrop",
+    "summary_first_dropout",
+)
 
 
 def configs():
     import transformers as T
+
     return {
-        "llama": T.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, **_COMMON),
-        "qwen2": T.Qwen2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, **_COMMON),
-        "qwen3": T.Qwen3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16, **_COMMON),
-        "mistral": T.MistralConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, **_COMMON),
-        "gemma": T.GemmaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16, **_COMMON),
+        "llama": T.LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, **_COMMON
+        ),
+        "qwen2": T.Qwen2Config(
+            hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, **_COMMON
+        ),
+        "qwen3": T.Qwen3Config(
+            hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16, **_COMMON
+        ),
+        "mistral": T.MistralConfig(
+            hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, **_COMMON
+        ),
+        "gemma": T.GemmaConfig(
+            hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16, **_COMMON
+        ),
         "phi": T.PhiConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, **_COMMON),
         "gpt2": T.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=256, vocab_size=128),
         "gpt_neox": T.GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, **_COMMON),
-        "opt": T.OPTConfig(hidden_size=64, ffn_dim=128, num_attention_heads=4, max_position_embeddings=256,
-                           word_embed_proj_dim=64, **_COMMON),
+        "opt": T.OPTConfig(
+            hidden_size=64,
+            ffn_dim=128,
+            num_attention_heads=4,
+            max_position_embeddings=256,
+            word_embed_proj_dim=64,
+            **_COMMON,
+        ),
     }
 
 
 def build(arch: str, attn: str):
     import torch
     import transformers as T
+
     cfg = configs()[arch]
     for k in _DROPOUT:
         if hasattr(cfg, k):
@@ -42,31 +71,57 @@ def build(arch: str, attn: str):
 
 # More architectures, from their default configs shrunk to tiny sizes (attributes a config lacks
 # are skipped): (model type, attention implementation; "eager" where HF has no SDPA path).
-MORE = [("stablelm", "sdpa"), ("starcoder2", "sdpa"), ("olmo2", "sdpa"), ("granite", "sdpa"),
-        ("gemma3_text", "sdpa"), ("cohere", "sdpa"), ("phi3", "sdpa"), ("glm", "sdpa"), ("gptj", "sdpa"),
-        ("codegen", "eager"), ("gemma2", "eager"), ("bloom", "eager"), ("falcon", "eager"),
-        ("mixtral", "sdpa"), ("olmoe", "sdpa"), ("gpt_bigcode", "sdpa"), ("persimmon", "sdpa"), ("nemotron", "sdpa"),
-        ("qwen2_moe", "sdpa")]
-_TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-             vocab_size=128, head_dim=16, max_position_embeddings=256, n_positions=256, n_ctx=256, rotary_dim=8,
-             pad_token_id=0, use_cache=False, tie_word_embeddings=False)
+MORE = [
+    ("stablelm", "sdpa"),
+    ("starcoder2", "sdpa"),
+    ("olmo2", "sdpa"),
+    ("granite", "sdpa"),
+    ("gemma3_text", "sdpa"),
+    ("cohere", "sdpa"),
+    ("phi3", "sdpa"),
+    ("glm", "sdpa"),
+    ("gptj", "sdpa"),
+    ("codegen", "eager"),
+    ("gemma2", "eager"),
+    ("bloom", "eager"),
+    ("falcon", "eager"),
+    ("mixtral", "sdpa"),
+    ("olmoe", "sdpa"),
+    ("gpt_bigcode", "sdpa"),
+    ("persimmon", "sdpa"),
+    ("nemotron", "sdpa"),
+    ("qwen2_moe", "sdpa"),
+]
+_TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=128,
+    head_dim=16,
+    max_position_embeddings=256,
+    n_positions=256,
+    n_ctx=256,
+    rotary_dim=8,
+    pad_token_id=0,
+    use_cache=False,
+    tie_word_embeddings=False,
+)
 
 
 def build_generic(model_type: str, attn: str):
     import torch
     import transformers as T
+
     cfg = T.CONFIG_MAPPING[model_type]()
     for k, v in _TINY.items():
-        try:
+        with contextlib.suppress(AttributeError, ValueError, TypeError):
             setattr(cfg, k, v)
-        except (AttributeError, ValueError, TypeError):
-            pass
     for k in dir(cfg):
         if "dropout" in k or k.endswith("pdrop"):
-            try:
+            with contextlib.suppress(AttributeError, ValueError, TypeError):
                 setattr(cfg, k, 0.0)
-            except (AttributeError, ValueError, TypeError):
-                pass
     torch.manual_seed(0)
     model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
     model.loss_type = "ForCausalLM"

@@ -9,6 +9,7 @@ Each case is seq:sp:checkpoint (a checkpoint setting, or a budget in bytes); the
 "small" benchmark preset, one thread. ``AUTOSP_BENCH_ATTENTION=ring`` (or another kernel) forces
 the attention kernel of the autosp cases.
 """
+
 import argparse
 import json
 

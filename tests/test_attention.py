@@ -1,9 +1,9 @@
 """Ring and hybrid attention's per-rank kernels against attention on the whole sequence, on real
 gloo groups: exact forward and backward, and the bytes gloo ran equal to what the plan charges."""
-import pytest
-import torch
 
 import cases
+import pytest
+import torch
 
 CASES = [(64, True), (61, False), (13, True), (3, True)]
 
@@ -41,6 +41,7 @@ def test_ring_attention_grouped_heads_fp32(pools):
 
 def _pairs(S, n, rank, causal):
     from autosp.propagate._attention import blocks, bounds, ranges
+
     total = 0
     for qa, qb in ranges(S, n, rank, causal):
         for ka, kb in bounds(S, n):

@@ -1,6 +1,7 @@
 """The benchmark runner fails well: a worker that dies at import or is killed mid-step ends its
 configuration's record with the error and the worker's traceback, within seconds, and the run
 goes on to the next configuration and writes its table and plots."""
+
 import json
 import time
 
@@ -10,8 +11,25 @@ from benchmarks import run
 
 
 def _cfg(system: str, **kw) -> dict:
-    return dict(system=system, seq=256, sp=2, preset="tiny", device="cpu", compiler="aot_eager", rank_local=False,
-                steps=1, warmup=1, batch=1, ulysses=None, dp=1, threads=1, timeout=120) | kw
+    return (
+        dict(
+            system=system,
+            seq=256,
+            sp=2,
+            preset="tiny",
+            device="cpu",
+            compiler="aot_eager",
+            rank_local=False,
+            steps=1,
+            warmup=1,
+            batch=1,
+            ulysses=None,
+            dp=1,
+            threads=1,
+            timeout=120,
+        )
+        | kw
+    )
 
 
 def test_a_worker_that_dies_at_import_gets_a_record_with_its_traceback(tmp_path, monkeypatch):
@@ -34,8 +52,24 @@ def test_a_worker_killed_mid_step_ends_its_record_and_the_run_goes_on(tmp_path, 
     pytest.importorskip("matplotlib")
     monkeypatch.setenv("AUTOSP_BENCH_KILL", "1:2")
     t0 = time.monotonic()
-    run.main(["--systems", "ulysses_eager,single", "--seqs", "256", "--preset", "tiny", "--steps", "1",
-              "--compiler", "aot_eager", "--timeout", "120", "--out", str(tmp_path)])
+    run.main(
+        [
+            "--systems",
+            "ulysses_eager,single",
+            "--seqs",
+            "256",
+            "--preset",
+            "tiny",
+            "--steps",
+            "1",
+            "--compiler",
+            "aot_eager",
+            "--timeout",
+            "120",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert time.monotonic() - t0 < 110
     killed, single = json.loads((tmp_path / "results.json").read_text())["records"]
     assert killed["system"] == "ulysses_eager" and "(1, -9)" in killed["error"], killed

@@ -1,6 +1,7 @@
 """Activation checkpointing (``shard(checkpoint=...)``) and the memory autosp predicts: exact with
 every setting, no collective recomputed, budgets kept, predictions against measured RSS, and the
 ``autosp plan`` extrapolation against a full trace."""
+
 import json
 import os
 import subprocess
@@ -8,19 +9,21 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import cases
 import pytest
 import torch
 
 import autosp
-import cases
 from examples.models import Llama, LlamaConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = dict(dim=256, layers=4, heads=8, kv_heads=4, ffn=768, vocab=256)
 
 
-@pytest.mark.parametrize("kind,b,L,checkpoint", [("llama", 2, 96, "none"), ("llama", 2, 96, "full"),
-                                                  ("llama", 2, 96, 64 * 2**20), ("gpt", 2, 48, "full")])
+@pytest.mark.parametrize(
+    "kind,b,L,checkpoint",
+    [("llama", 2, 96, "none"), ("llama", 2, 96, "full"), ("llama", 2, 96, 64 * 2**20), ("gpt", 2, 48, "full")],
+)
 def test_every_checkpoint_setting_matches_single_device(pools, kind, b, L, checkpoint):
     """Recomputation changes what the backward keeps, never what it computes: in fp64 (see
     test_exact's AdamW test for why), loss, gradients and parameters after 3 AdamW steps equal
@@ -66,7 +69,9 @@ def _rungs(fake_world, checkpoint, seq=4096, sp=2, every_rung=False):
     model = Llama(LlamaConfig(**SMALL))
     ids = torch.randint(0, 256, (1, seq))
     with autosp.mesh(sp=sp):
-        step = autosp.shard(lambda i, l: model(i, l), compiler="aot_eager", checkpoint=checkpoint, every_rung=every_rung)
+        step = autosp.shard(
+            lambda i, y: model(i, y), compiler="aot_eager", checkpoint=checkpoint, every_rung=every_rung
+        )
         return autosp.explain(step, ids, ids)
 
 
@@ -105,8 +110,11 @@ def test_tiled_rungs_need_the_least_memory(fake_world):
 def test_budget_below_every_plan_names_the_smallest_that_fits(fake_world):
     rungs = _auto_rungs(fake_world)
     smallest = min(r.memory.peak for r in rungs)
-    with pytest.raises(autosp.PlanError, match=rf"no checkpointing plan fits checkpoint=1048576 bytes per rank.*"
-                                               rf"pass checkpoint={smallest} or more"):
+    with pytest.raises(
+        autosp.PlanError,
+        match=rf"no checkpointing plan fits checkpoint=1048576 bytes per rank.*"
+        rf"pass checkpoint={smallest} or more",
+    ):
         _rungs(fake_world, 2**20)
 
 
@@ -122,10 +130,21 @@ def test_predicted_peak_is_within_15_percent_of_measured_rss():
     settings; a budget's measured peak stays within 10% of the budget."""
     budget = 120 * 2**20
     cases_ = ["4096:2:none", "8192:4:full", f"4096:2:{budget}"]
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", OMP_NUM_THREADS="1",
-               PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
-    out = subprocess.run([sys.executable, str(ROOT / "tests" / "memory_probe.py"), *cases_], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
+    env = dict(
+        os.environ,
+        MALLOC_MMAP_THRESHOLD_="65536",
+        MALLOC_TRIM_THRESHOLD_="0",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
+    )
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "memory_probe.py"), *cases_],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert len(records) == len(cases_)
@@ -136,8 +155,17 @@ def test_predicted_peak_is_within_15_percent_of_measured_rss():
     assert full["peak_mem_bytes"] < 0.7 * none["peak_mem_bytes"]
 
 
-TINY_HF = dict(model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
-               num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096, tie_word_embeddings=False)
+TINY_HF = dict(
+    model_type="llama",
+    hidden_size=64,
+    intermediate_size=176,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
 
 
 def test_plan_fit_matches_a_full_depth_trace(fake_world):
@@ -149,6 +177,7 @@ def test_plan_fit_matches_a_full_depth_trace(fake_world):
     equalled an 8-layer trace on every rung, see the README.)"""
     pytest.importorskip("transformers")
     from autosp._cli import PlanFit, trace_plan
+
     fake_world(4)
     # the K/V-gathered attention this toy was calibrated with (4 query / 2 K/V heads do not split
     # over 4); with ring attention, "auto" since, one rung is over-predicted by 3.7% (measured)
@@ -168,9 +197,29 @@ def test_plan_command_prints_memory_and_longest_sequence(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY_HF))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-m", "autosp", "plan", "--model", str(config), "--sp", "4", "--seq", "2048",
-                          "--memory", "24MiB", "--dtype", "fp32"], env=env, cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autosp",
+            "plan",
+            "--model",
+            str(config),
+            "--sp",
+            "4",
+            "--seq",
+            "2048",
+            "--memory",
+            "24MiB",
+            "--dtype",
+            "fp32",
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     for policy in ("none", "auto", "full"):
         assert f"checkpoint={policy}" in out.stdout

@@ -1,10 +1,10 @@
 """Communication and work, counted independently of autosp's own bookkeeping: torch.profiler's
 gloo events (what gloo actually ran) and FLOP counts, on real 2-rank gloo groups."""
+
 from collections import Counter
 
-import pytest
-
 import cases
+import pytest
 
 LAYERS = 2  # examples.models.LlamaConfig's default
 

@@ -1,28 +1,29 @@
 """The exactness contract on CUDA: a world of one on one GPU, one rank of a larger job on one GPU
 (collectives on a fake process group), and NCCL across GPUs. Marked ``cuda``; skipped where CUDA
 is absent. ``scripts/gpu_ci.sh`` runs them."""
+
 from __future__ import annotations
 
 import math
 from collections import Counter
 
+import cases
 import pytest
 import torch
 import torch.distributed as dist
+from test_exact import MODELS
+from test_plan import CONFIGS, LAYERS, _ulysses_expected
+from test_plan import L as PLAN_L
 
 import autosp
-import cases
 from examples.models import Llama, LlamaConfig
-from test_exact import MODELS
-from test_plan import CONFIGS, LAYERS, L as PLAN_L, _ulysses_expected
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(GPUS == 0, reason="needs CUDA: torch.cuda.is_available() is False")]
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(GPUS == 0, reason="needs CUDA: torch.cuda.is_available() is False")]
 
 
 def needs_gpus(n: int):
-    return pytest.mark.skipif(GPUS < n, reason=f"needs {n} GPUs for NCCL, found {GPUS}")
+    return pytest.mark.skipif(n > GPUS, reason=f"needs {n} GPUs for NCCL, found {GPUS}")
 
 
 @pytest.fixture
@@ -118,10 +119,14 @@ def test_rank_local_peak_memory_is_below_single_device(fake_world):
     assert sharded_peak < single_peak, (sharded_peak, single_peak)
 
 
-NCCL_CASES = [pytest.param(2, *m, "aot_eager", marks=needs_gpus(2)) for m in MODELS] + [
-    pytest.param(2, "llama", 2, 93, "aot_eager", marks=needs_gpus(2)),  # uneven shards
-    pytest.param(2, "llama", 2, 96, "inductor", marks=needs_gpus(2)),
-] + [pytest.param(4, *m, "aot_eager", marks=needs_gpus(4)) for m in MODELS]
+NCCL_CASES = (
+    [pytest.param(2, *m, "aot_eager", marks=needs_gpus(2)) for m in MODELS]
+    + [
+        pytest.param(2, "llama", 2, 93, "aot_eager", marks=needs_gpus(2)),  # uneven shards
+        pytest.param(2, "llama", 2, 96, "inductor", marks=needs_gpus(2)),
+    ]
+    + [pytest.param(4, *m, "aot_eager", marks=needs_gpus(4)) for m in MODELS]
+)
 
 
 @pytest.mark.parametrize("world,kind,b,L,compiler", NCCL_CASES)

@@ -1,9 +1,9 @@
 """Data x sequence parallel meshes on 4 ranks: each dp replica takes its slice of the global batch
 (dim 0), runs it sequence-parallel over its sp group, returns its own loss (as a DDP replica
 does), and every parameter's gradient is the mean over the replicas (DDP's averaging)."""
-import pytest
 
 import cases
+import pytest
 
 
 @pytest.mark.parametrize("kind,b,L", [("llama", 4, 64), ("gpt", 4, 45)])

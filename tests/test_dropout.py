@@ -1,6 +1,7 @@
 """Dropout on sequence shards: each rank draws its own shard's mask. Reproducible for a given seed
 and sp size; not the single-device masks (so not comparable to one device element by element):
 what must hold is consistency across ranks, reproducibility, and a correct dropout op."""
+
 import cases
 
 

@@ -1,9 +1,10 @@
 """Bad input gets an error that names the op or input, the user's line, the shapes and a fix."""
+
+import cases
 import pytest
 import torch
 
 import autosp
-import cases
 from examples.models import Llama, LlamaConfig
 
 
@@ -16,7 +17,9 @@ def test_empty_sequence_names_input_shape_and_fix(fake_world):
     fake_world(4)
     model = Llama(LlamaConfig())
     ids = torch.randint(0, 256, (1, 0))
-    with pytest.raises(autosp.PlanError, match=r"input 'input_ids'.*\(1, 0\).*no sequence dim 1 to shard over sp=4.*Fix"):
+    with pytest.raises(
+        autosp.PlanError, match=r"input 'input_ids'.*\(1, 0\).*no sequence dim 1 to shard over sp=4.*Fix"
+    ):
         _explain(lambda input_ids, labels: model(input_ids, labels), ids, ids)
 
 
@@ -37,7 +40,11 @@ def test_grouped_query_heads_not_splittable_names_attention_op_and_line(fake_wor
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).sum()
 
     x = torch.randn(1, 32, 16, requires_grad=True)
-    with pytest.raises(autosp.PlanError, match=r"6 query heads and 2 K/V heads.*sp=4.*flash_attention.*\(1, 6, 32, 8\).*test_errors\.py:\d+.*scaled_dot_product_attention.*Fix: repeat K/V"):
+    with pytest.raises(
+        autosp.PlanError,
+        match=r"6 query heads and 2 K/V heads.*sp=4.*flash_attention.*\(1, 6, 32, 8\).*test_errors\.py:\d+"
+        r".*scaled_dot_product_attention.*Fix: repeat K/V",
+    ):
         _explain(step, x)
 
 
@@ -49,7 +56,10 @@ def test_op_without_rule_on_sharded_data_names_op_and_line(fake_world):
     def step(ids):
         return emb(ids).flip(1).sum()  # flip along the sharded sequence: no rule
 
-    with pytest.raises(autosp.UnsupportedOpError, match=r"no sharding rule for aten\.flip.*S\(1\).*test_errors\.py:\d+.*flip\(1\).*Fix:"):
+    with pytest.raises(
+        autosp.UnsupportedOpError,
+        match=r"no sharding rule for aten\.flip.*S\(1\).*test_errors\.py:\d+.*flip\(1\).*Fix:",
+    ):
         _explain(step, torch.randint(0, 16, (1, 512)))
 
 
@@ -63,7 +73,10 @@ def test_graph_break_is_an_error_naming_the_line(fake_world):
             h = h * 2
         return h.sum()
 
-    with pytest.raises(autosp.GraphBreakError, match=r"graph break\) at .*test_errors\.py:\d+.*h\.sum\(\)\.item\(\) > 0.*Fix: rewrite that line"):
+    with pytest.raises(
+        autosp.GraphBreakError,
+        match=r"graph break\) at .*test_errors\.py:\d+.*h\.sum\(\)\.item\(\) > 0.*Fix: rewrite that line",
+    ):
         _explain(step, torch.randint(0, 16, (1, 512)))
 
 
@@ -74,9 +87,8 @@ def test_shard_outside_mesh_is_an_error():
 
 def test_mesh_size_mismatch_is_an_error(fake_world):
     fake_world(4)
-    with pytest.raises(ValueError, match=r"sp=3 x dp=1 = 3 ranks, but the world has 4"):
-        with autosp.mesh(sp=3):
-            pass
+    with pytest.raises(ValueError, match=r"sp=3 x dp=1 = 3 ranks, but the world has 4"), autosp.mesh(sp=3):
+        pass
 
 
 def test_ranks_with_different_shapes_fail_with_a_message_not_a_hang(pools):
@@ -98,6 +110,7 @@ def test_ranks_whose_graphs_issue_different_collectives_fail_before_running(pool
 def test_a_rank_that_skips_the_step_fails_the_others_within_the_timeout():
     """No hang: rank 0 waits for rank 1 at compile time, and gets an error after timeout_s."""
     from _pool import Pool
+
     pool = Pool(2, timeout_s=5)
     try:
         msgs = pool.run(cases.skip_on_rank, 1, 5.0, timeout=120)

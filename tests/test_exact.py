@@ -1,8 +1,8 @@
 """The contract: a sharded step means what it means on one device."""
-import pytest
-import torch
 
 import cases
+import pytest
+import torch
 
 MODELS = [("llama", 2, 96), ("llama_manual", 1, 96), ("gpt", 2, 48)]
 # sequence lengths that do not divide by the number of ranks: uneven (balanced) shards, down to
@@ -104,7 +104,9 @@ def test_grouped_query_heads_inside_the_op_stay_exact(pools):
         loss, ref = r["loss"]
         assert abs(loss - ref) <= 1e-5 * abs(ref)
         assert r["grad_err"] <= 1e-5
-        assert any("6 query / 2 K/V heads do not split over sp=4: ring attention" in note for note in r["notes"]), r["notes"]
+        assert any("6 query / 2 K/V heads do not split over sp=4: ring attention" in note for note in r["notes"]), r[
+            "notes"
+        ]
 
 
 @pytest.mark.parametrize("kind", ["llama_6h", "llama_6h_manual"])

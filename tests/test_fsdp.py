@@ -4,18 +4,21 @@ divides each gradient element by its own magnitude, so fp32 roundoff in near-zer
 move them by up to lr in either run), and the parameter gathers gloo ran: one per parameter in
 the forward and, where the module reshards after forward, again in the backward where the
 backward reads it."""
+
+import cases
 import pytest
 import torch
 
-import cases
 
-
-@pytest.mark.parametrize("kind,b,L,dp,over,reshard,as_module", [
-    ("llama", 4, 64, 2, "dp", True, False),     # sharded over dp, sequence-parallel over sp
-    ("llama", 4, 64, 2, "hsdp", False, True),   # the autosp mesh: sharded over sp, replicated over dp;
-                                                # autosp.shard(model)
-    ("gpt", 4, 45, 1, "world", True, False),    # every rank; tied embeddings; 45 tokens over sp=4
-])
+@pytest.mark.parametrize(
+    "kind,b,L,dp,over,reshard,as_module",
+    [
+        ("llama", 4, 64, 2, "dp", True, False),  # sharded over dp, sequence-parallel over sp
+        ("llama", 4, 64, 2, "hsdp", False, True),  # the autosp mesh: sharded over sp, replicated over dp;
+        # autosp.shard(model)
+        ("gpt", 4, 45, 1, "world", True, False),  # every rank; tied embeddings; 45 tokens over sp=4
+    ],
+)
 def test_fsdp_step_matches_one_device(pools, kind, b, L, dp, over, reshard, as_module):
     for r in pools(4).run(cases.fsdp_exactness, kind, b, L, dp, over, 2, reshard, torch.float64, as_module):
         for loss, ref in r["losses"]:

@@ -1,5 +1,6 @@
 """The K/V repeat fold on joint graphs (no process group): exact, and only for a repeat that is
 grouped-query attention."""
+
 import copy
 
 import pytest
@@ -13,8 +14,9 @@ from autosp.partition._gqa import fold_kv_repeats
 
 REPEATS = {
     "repeat_interleave": lambda x, r: x.repeat_interleave(r, dim=1),
-    "repeat_kv": lambda x, r: x[:, :, None].expand(x.shape[0], x.shape[1], r, *x.shape[2:]).reshape(
-        x.shape[0], x.shape[1] * r, *x.shape[2:]),
+    "repeat_kv": lambda x, r: (
+        x[:, :, None].expand(x.shape[0], x.shape[1], r, *x.shape[2:]).reshape(x.shape[0], x.shape[1] * r, *x.shape[2:])
+    ),
     "tile": lambda x, r: x.repeat(1, r, 1, 1),  # head j reads K/V head j % KV: not grouped-query attention
 }
 

@@ -1,9 +1,9 @@
 """Hugging Face causal LMs, unmodified (tiny random-init configs): exact against one device, with
 hand-written Ulysses' collectives only. Status of each architecture: all listed ones pass."""
-import pytest
 
 import cases
 import hf_models
+import pytest
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,12 +41,21 @@ def test_hf_model_with_uneven_sequence_on_4_ranks(pools, arch):
         assert r["kinds"] == ["all_reduce", "all_to_all"], r["kinds"]
 
 
-MASKED = [("llama", "sdpa", "right", "kv_gather"), ("qwen3", "eager", "left", "auto"), ("opt", "sdpa", "left", "auto"),
-          ("gpt2", "sdpa", "packed", "auto"), ("llama", "eager", "packed", "auto"), ("llama", "sdpa", "packed", "ring")]
+MASKED = [
+    ("llama", "sdpa", "right", "kv_gather"),
+    ("qwen3", "eager", "left", "auto"),
+    ("opt", "sdpa", "left", "auto"),
+    ("gpt2", "sdpa", "packed", "auto"),
+    ("llama", "eager", "packed", "auto"),
+    ("llama", "sdpa", "packed", "ring"),
+]
 
 
-_KINDS = {"auto": ["all_reduce", "all_to_all"], "ring": ["all_reduce", "ring"],
-          "kv_gather": ["all_gather", "all_reduce", "reduce_scatter"]}
+_KINDS = {
+    "auto": ["all_reduce", "all_to_all"],
+    "ring": ["all_reduce", "ring"],
+    "kv_gather": ["all_gather", "all_reduce", "reduce_scatter"],
+}
 
 
 @pytest.mark.parametrize("arch,attn,kind,attention", MASKED)

@@ -2,6 +2,7 @@
 others: annotations -> backend -> partition -> propagate -> the leaves (_graph, _context,
 errors). Read from the source (every import statement, function-level ones included), so a lazy
 import that dodges a cycle at run time is caught too."""
+
 import ast
 from pathlib import Path
 
@@ -45,8 +46,9 @@ def _imports(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """The autosp modules ``module`` imports (a name imported from a package counts as the
     submodule it names, else as the package)."""
     tree = ast.parse(path.read_text())
-    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node)
-            for n in ast.walk(node)}
+    skip = {
+        id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node) for n in ast.walk(node)
+    }
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out = set()
     for node in ast.walk(tree):
@@ -90,7 +92,7 @@ def test_no_import_cycle():
         stack.append(m)
         for t in sorted(graph.get(m, ())):
             if state.get(t) == 1:
-                return stack[stack.index(t):] + [t]
+                return stack[stack.index(t) :] + [t]
             if t not in state and (cycle := visit(t)) is not None:
                 return cycle
         stack.pop()

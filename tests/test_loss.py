@@ -2,13 +2,14 @@
 sequence parallelism goes wrong): the causal shift across shard boundaries, pre-shifted labels,
 ignore_index, token-weighted means when ranks hold very different numbers of valid tokens (here:
 all of them on the last rank, or none), masked sums over counts, sums, per-sequence means, z-loss."""
-import pytest
 
 import cases
-
+import pytest
 
 # world 2 for every case; world 4 for those whose normalization spans ranks in different ways
-CASES = [(c, 2) for c in cases.LOSS_FNS] + [(c, 4) for c in ("shift_inside", "masked_sum_over_count", "per_sequence_mean")]
+CASES = [(c, 2) for c in cases.LOSS_FNS] + [
+    (c, 4) for c in ("shift_inside", "masked_sum_over_count", "per_sequence_mean")
+]
 
 
 @pytest.mark.parametrize("case,world", CASES)

@@ -1,5 +1,6 @@
 """Multi-node launch: two torchrun agents (--nnodes 2, one process each) on this machine over
 loopback, as on two hosts, run the main job and get the single-device losses."""
+
 import json
 import os
 import subprocess
@@ -12,19 +13,51 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _train_cmd(out: Path) -> list[str]:
-    return [str(ROOT / "examples" / "train.py"), "--steps", "3", "--seq", "64", "--batch", "2", "--no-reference", "--out", str(out)]
+    return [
+        str(ROOT / "examples" / "train.py"),
+        "--steps",
+        "3",
+        "--seq",
+        "64",
+        "--batch",
+        "2",
+        "--no-reference",
+        "--out",
+        str(out),
+    ]
 
 
 def test_two_torchrun_nodes_match_one_device(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     port = _free_port()
-    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(r),
-                                "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                                *_train_cmd(tmp_path / "sp2")],
-                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-              for r in range(2)]
-    single = subprocess.run([sys.executable, *_train_cmd(tmp_path / "single")], env=env, capture_output=True,
-                            text=True, timeout=600)
+    agents = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(r),
+                "--nproc-per-node",
+                "1",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                *_train_cmd(tmp_path / "sp2"),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    single = subprocess.run(
+        [sys.executable, *_train_cmd(tmp_path / "single")], env=env, capture_output=True, text=True, timeout=600
+    )
     assert single.returncode == 0, single.stdout + single.stderr
     for a in agents:
         out, _ = a.communicate(timeout=600)

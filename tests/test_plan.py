@@ -1,4 +1,5 @@
 """Plans on a fake process group: the exact collectives autosp inserts, for any world size."""
+
 import math
 from collections import Counter
 
@@ -18,8 +19,9 @@ def _plan(world, heads, kv, dim, attn, b=1, attention="auto", ulysses=None):
     model = Llama(LlamaConfig(heads=heads, kv_heads=kv, dim=dim, layers=LAYERS, attn=attn))
     ids = torch.randint(0, 256, (b, L))
     with autosp.mesh(sp=world, ulysses=ulysses):
-        step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager",
-                            attention=attention)
+        step = autosp.shard(
+            lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager", attention=attention
+        )
         return model, autosp.explain(step, ids, ids)
 
 
@@ -59,8 +61,10 @@ def test_plan_bytes_are_ulysses_bytes(fake_world):
     fake_world(world)
     model, plan = _plan(world, heads, kv, dim, "sdpa")
     n, f = world, 4
-    expected = sum((2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n**2) * numel * f * count
-                   for (kind, _, numel), count in _ulysses_expected(model, world, heads, kv, dim).items())
+    expected = sum(
+        (2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n**2) * numel * f * count
+        for (kind, _, numel), count in _ulysses_expected(model, world, heads, kv, dim).items()
+    )
     assert plan.comm_bytes == pytest.approx(expected)
 
 
@@ -95,7 +99,10 @@ def test_repeated_kv_plans_as_grouped_query_attention(fake_world):
     _, rep = _plan(4, 8, 4, 64, "sdpa")
     _, gqa = _plan(4, 8, 4, 64, "gqa")
     assert sum("unrepeated" in note for note in rep.notes) == LAYERS, rep.notes
-    kinds = lambda plan: Counter((c.kind, c.backward, math.prod(c.shape), c.bytes_per_rank) for c in plan.collectives)
+
+    def kinds(plan):
+        return Counter((c.kind, c.backward, math.prod(c.shape), c.bytes_per_rank) for c in plan.collectives)
+
     assert kinds(rep) == kinds(gqa)
     assert rep.memory == gqa.memory, (rep.memory, gqa.memory)
     _, kept = _plan(4, 8, 2, 64, "sdpa")
@@ -118,6 +125,7 @@ def test_heads_that_cannot_split_run_ring_attention_by_default(fake_world):
     one ring row per attention op and pass, charged the bytes of the kernel's schedule, and
     ``explain`` says so."""
     from autosp.propagate import ring_bytes
+
     fake_world(4)
     model, plan = _plan(4, 2, 1, 64, "sdpa")
     kinds = Counter((c.kind, c.backward) for c in plan.collectives)
@@ -136,7 +144,9 @@ def test_attention_kernel_can_be_forced(fake_world):
     fake_world(4)
     _, plan = _plan(4, 8, 4, 64, "sdpa", attention="ring")
     assert {c.kind for c in plan.collectives} == {"ring", "all_reduce"}, str(plan)
-    with pytest.raises(autosp.PlanError, match=r"attention='ulysses' cannot run this attention op.*'kv_gather', 'ring'"):
+    with pytest.raises(
+        autosp.PlanError, match=r"attention='ulysses' cannot run this attention op.*'kv_gather', 'ring'"
+    ):
         _plan(4, 2, 1, 64, "sdpa", attention="ulysses")
     with pytest.raises(ValueError, match="attention='zigzag'; use one of"):
         autosp.shard(lambda x: x, attention="zigzag")
@@ -148,6 +158,7 @@ def test_two_dim_sp_mesh_runs_hybrid_attention_where_heads_split_over_a_sub_grou
     the ring over 4); 8 heads still run as Ulysses over all 4; forcing "hybrid" without a 2D mesh
     is an error, as is a sub-group size that does not divide sp."""
     from autosp.propagate import hybrid_bytes, ring_bytes
+
     fake_world(4)
     _, plan = _plan(4, 2, 1, 64, "sdpa", ulysses=2)
     kinds = Counter((c.kind, c.backward) for c in plan.collectives)

@@ -3,9 +3,9 @@ an fp64 run of the same model; "within bf16 tolerance" means the sharded step's 
 error is no worse than 1.5x the single-device bf16 step's (measured: equal, 1.2e-2 for bf16
 parameters and 1.0e-2 under autocast; FSDP2 with fp32 shards, bf16 compute and fp32 reduction:
 1.35e-2 against the bf16 model's 1.24e-2), and the losses agree to bf16's resolution (2^-8)."""
-import pytest
 
 import cases
+import pytest
 
 
 @pytest.mark.parametrize("mode", ["bf16", "autocast", "fsdp_bf16"])

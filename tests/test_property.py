@@ -3,13 +3,13 @@ length, right padding, attention implementation, N), the sharded step equals one
 
 Derandomized, so CI sees the same examples each run; AUTOSP_HYPOTHESIS_EXAMPLES=50 (and
 AUTOSP_HYPOTHESIS_SEED=<int> for other draws) explores further."""
+
 import os
 
+import cases
 import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
-
-import cases
 
 pytest.importorskip("transformers")
 
@@ -32,8 +32,13 @@ def configurations(draw):
 
 
 @seed(int(os.environ.get("AUTOSP_HYPOTHESIS_SEED", 0)))
-@settings(max_examples=int(os.environ.get("AUTOSP_HYPOTHESIS_EXAMPLES", 6)), deadline=None, derandomize=True,
-          database=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=int(os.environ.get("AUTOSP_HYPOTHESIS_EXAMPLES", 6)),
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(cfg=configurations())
 def test_random_small_configurations_match_one_device(pools, cfg):
     for r in pools(cfg["world"]).run(cases.random_hf_exactness, cfg):

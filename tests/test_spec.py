@@ -1,10 +1,18 @@
 """Pure tests: specs, placements, view groups and local shapes. No process group."""
+
 import pytest
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from autosp.annotations._spec import parse_spec
-from autosp.propagate._placement import local_shape, parse_placement, placement_str, redistribute_kind, shard, transfer_bytes
+from autosp.propagate._placement import (
+    local_shape,
+    parse_placement,
+    placement_str,
+    redistribute_kind,
+    shard,
+    transfer_bytes,
+)
 from autosp.propagate._rules import _locate, _view_groups
 
 
@@ -15,9 +23,10 @@ def test_einops_spec_names_the_sharded_dim():
     assert parse_spec(Shard(0), 2) == Shard(0)
 
 
-@pytest.mark.parametrize("spec,msg", [("b s d", "names 3 dims but the tensor has 2"),
-                                      ("b@sp s@sp", "shards 2 dims"),
-                                      ("b s@tp", "mesh axis 'tp'")])
+@pytest.mark.parametrize(
+    "spec,msg",
+    [("b s d", "names 3 dims but the tensor has 2"), ("b@sp s@sp", "shards 2 dims"), ("b s@tp", "mesh axis 'tp'")],
+)
 def test_bad_spec_errors_teach(spec, msg):
     with pytest.raises(ValueError, match=msg):
         parse_spec(spec, 2)
@@ -57,6 +66,7 @@ def test_redistribute_kinds_and_bytes():
 
 def test_yaml_config_round_trips_and_rejects_unknown_keys(tmp_path):
     from autosp import load_config
+
     path = tmp_path / "autosp.yaml"
     path.write_text("mesh: {sp: 2}\nshard: {seq: {input_ids: 1}, compiler: aot_eager}\n")
     cfg = load_config(path)

@@ -1,4 +1,5 @@
 """User-facing annotations: the mesh, ``shard``, ``annotate``, ``explain`` and the YAML config."""
+
 from ._config import Config, load_config
 from ._mesh import Mesh, current_mesh, mesh
 from ._shard import explain, shard

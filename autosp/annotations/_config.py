@@ -1,8 +1,9 @@
 """YAML configuration: the mesh and ``shard`` settings in one file, checked on load.
 
-    mesh: {sp: 2}
-    shard: {seq: {input_ids: 1, labels: 1}, compiler: aot_eager}
+mesh: {sp: 2}
+shard: {seq: {input_ids: 1, labels: 1}, compiler: aot_eager}
 """
+
 from __future__ import annotations
 
 import inspect
@@ -35,13 +36,16 @@ def load_config(source: str | Path) -> Config:
     text = Path(source).read_text() if Path(str(source)).suffix in {".yaml", ".yml"} else str(source)
     data = yaml.safe_load(text) or {}
     if not isinstance(data, dict):
-        raise ValueError(f"autosp: config must be a mapping with 'mesh' and 'shard' sections, got {type(data).__name__}")
+        raise ValueError(
+            f"autosp: config must be a mapping with 'mesh' and 'shard' sections, got {type(data).__name__}"
+        )
     unknown = set(data) - {"mesh", "shard"}
     if unknown:
         raise ValueError(f"autosp: unknown config section(s) {sorted(unknown)}; expected 'mesh' and 'shard'")
     for section, keys in (("mesh", _MESH_KEYS), ("shard", _SHARD_KEYS)):
         bad = set(data.get(section) or {}) - keys
         if bad:
-            raise ValueError(f"autosp: unknown key(s) {sorted(bad)} in config section '{section}'; "
-                             f"allowed: {sorted(keys)}")
+            raise ValueError(
+                f"autosp: unknown key(s) {sorted(bad)} in config section '{section}'; allowed: {sorted(keys)}"
+            )
     return Config(mesh=dict(data.get("mesh") or {}), shard=dict(data.get("shard") or {}))

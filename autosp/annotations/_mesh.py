@@ -1,4 +1,5 @@
 """The device mesh: ``autosp.mesh(sp=..., dp=...)`` sets up the process group and the named mesh."""
+
 from __future__ import annotations
 
 import contextlib
@@ -14,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 __all__ = ["Mesh", "mesh", "current_mesh"]
 
 _MESHES: dict[tuple, tuple[object, DeviceMesh, DeviceMesh | None]] = {}
-_CURRENT: contextvars.ContextVar["Mesh | None"] = contextvars.ContextVar("autosp_mesh", default=None)
+_CURRENT: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("autosp_mesh", default=None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +87,14 @@ def _init_process_group(backend: str | None, timeout_s: float) -> None:
 
 
 @contextlib.contextmanager
-def mesh(sp: int | None = None, dp: int = 1, *, ulysses: int | None = None, backend: str | None = None,
-         timeout_s: float = 300.0):
+def mesh(
+    sp: int | None = None,
+    dp: int = 1,
+    *,
+    ulysses: int | None = None,
+    backend: str | None = None,
+    timeout_s: float = 300.0,
+):
     """Set up the process group (from torchrun's environment, or a world of one) and a
     ``DeviceMesh`` with named dims ("dp", "sp"); ``sp`` defaults to world_size // dp.
 
@@ -106,11 +113,15 @@ def mesh(sp: int | None = None, dp: int = 1, *, ulysses: int | None = None, back
             raise ValueError(f"autosp: world size {world} is not divisible by dp={dp}; choose dp dividing {world}")
         sp = world // dp
     if sp * dp != world:
-        raise ValueError(f"autosp: mesh sp={sp} x dp={dp} = {sp * dp} ranks, but the world has {world}; "
-                         f"launch with torchrun --nproc-per-node {sp * dp} or set sp*dp == {world}")
+        raise ValueError(
+            f"autosp: mesh sp={sp} x dp={dp} = {sp * dp} ranks, but the world has {world}; "
+            f"launch with torchrun --nproc-per-node {sp * dp} or set sp*dp == {world}"
+        )
     if ulysses is not None and not (1 < ulysses < sp and sp % ulysses == 0):
-        raise ValueError(f"autosp: ulysses={ulysses} must divide sp={sp} and lie strictly between 1 and sp "
-                         "(the size of the sub-groups attention runs Ulysses within; ring across them)")
+        raise ValueError(
+            f"autosp: ulysses={ulysses} must divide sp={sp} and lie strictly between 1 and sp "
+            "(the size of the sub-groups attention runs Ulysses within; ring across them)"
+        )
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     key = (device, dp, sp, ulysses)
     world_group, cached, flat = _MESHES.get(key, (None, None, None))

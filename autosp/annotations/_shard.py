@@ -1,9 +1,11 @@
 """``autosp.shard``: mark a training step's inputs as sequence-sharded and compile it for the mesh;
 ``autosp.explain``: the plan of one call."""
+
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.nn as nn
 

@@ -1,8 +1,9 @@
 """Sharding specs: the einops-style grammar ("b s@sp d") and ``autosp.annotate``, which carries a
 spec into the captured graph (as ``autosp::annotate``, ``propagate._annotate``)."""
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -32,10 +33,12 @@ def parse_spec(spec: str | Placement | Sequence[Placement], ndim: int) -> Placem
     tokens = spec.split()
     if "..." in tokens:
         i = tokens.index("...")
-        tokens = tokens[:i] + ["_"] * (ndim - len(tokens) + 1) + tokens[i + 1:]
+        tokens = tokens[:i] + ["_"] * (ndim - len(tokens) + 1) + tokens[i + 1 :]
     if len(tokens) != ndim:
-        raise ValueError(f"autosp: spec {spec!r} names {len(tokens)} dims but the tensor has {ndim}; "
-                         f"write one name per dim, e.g. 'b s@sp d'")
+        raise ValueError(
+            f"autosp: spec {spec!r} names {len(tokens)} dims but the tensor has {ndim}; "
+            f"write one name per dim, e.g. 'b s@sp d'"
+        )
     sharded = [i for i, t in enumerate(tokens) if "@" in t]
     for i in sharded:
         axis = tokens[i].split("@", 1)[1]

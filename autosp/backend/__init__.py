@@ -1,5 +1,6 @@
 """The torch.compile backend that runs the autosp passes, the plan it reports, and the runtime of
 a sharded step."""
+
 from .._context import Options, SpContext
 from ._backend import make_backend
 from ._plan import Collective, Plan

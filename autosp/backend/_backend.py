@@ -6,6 +6,7 @@
 Each pass is a function of the graph and one ``SpContext``; ``_run`` wraps each once for
 ``AUTOSP_DEBUG=1`` (time and the graph it hands on).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -14,7 +15,7 @@ import logging
 import math
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx
@@ -58,8 +59,12 @@ def _run(name: str, fn: Callable, *args, **kwargs):
     if os.environ.get("AUTOSP_DEBUG") == "1":
         graphs = [x for x in (out if isinstance(out, tuple) else (out,)) if isinstance(x, fx.GraphModule)]
         graphs = graphs or [a for a in args if isinstance(a, fx.GraphModule)]  # analyses: the graph they read
-        log.warning("autosp pass %s: %.3f s\n%s", name, time.perf_counter() - t0,
-                    "\n".join(f"{len(g.graph.nodes)} nodes\n{g.print_readable(print_output=False)}" for g in graphs))
+        log.warning(
+            "autosp pass %s: %.3f s\n%s",
+            name,
+            time.perf_counter() - t0,
+            "\n".join(f"{len(g.graph.nodes)} nodes\n{g.print_readable(print_output=False)}" for g in graphs),
+        )
     return out
 
 
@@ -68,6 +73,7 @@ def _compiler(name: str) -> Callable:
         # torch's own aot_eager: boxed code that frees each input after its last use (saved
         # activations die as the backward goes, as under Inductor)
         from torch._dynamo.backends.debugging import boxed_nop
+
         return boxed_nop
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
@@ -84,6 +90,7 @@ def _compiler(name: str) -> Callable:
         # without (separate runs).
         with torch._inductor.config.patch(reorder_for_peak_memory=False):
             return compile_fx_inner(gm, example_inputs)
+
     return inductor
 
 
@@ -105,15 +112,29 @@ def make_backend(mesh, options: Options, on_plan: Callable[[Plan], None] | None 
 
         local = _run("localize", per_rank)
         tiling = plan_tiles(joint.graph, choice.strategy, ctx, MAX_TILES)
-        fw, bw, ckpt = _run("checkpoint", checkpoint_partition, local, joint_inputs, options.checkpoint,
-                            num_fwd_outputs=num_fwd_outputs, every_rung=options.every_rung,
-                            largest=largest_peaks(ctx), tiled=None if tiling is None else lambda: per_rank(tiling),
-                            tiles=tiling.count if tiling is not None else 1, **kwargs)
+        fw, bw, ckpt = _run(
+            "checkpoint",
+            checkpoint_partition,
+            local,
+            joint_inputs,
+            options.checkpoint,
+            num_fwd_outputs=num_fwd_outputs,
+            every_rung=options.every_rung,
+            largest=largest_peaks(ctx),
+            tiled=None if tiling is None else lambda: per_rank(tiling),
+            tiles=tiling.count if tiling is not None else 1,
+            **kwargs,
+        )
         check_same_schedule(fw, bw, ctx)
         if on_plan is not None:
             on_plan(dataclasses.replace(plan, memory=ckpt.memory, checkpoint=ckpt))
         return fw, bw
 
     compile_fn = _compiler(options.compiler)
-    return aot_autograd(fw_compiler=compile_fn, bw_compiler=compile_fn, partition_fn=partition,
-                        decompositions=DECOMPOSITIONS, keep_inference_input_mutations=True)
+    return aot_autograd(
+        fw_compiler=compile_fn,
+        bw_compiler=compile_fn,
+        partition_fn=partition,
+        decompositions=DECOMPOSITIONS,
+        keep_inference_input_mutations=True,
+    )

@@ -6,6 +6,7 @@ The exchanges go through the c10d store, not a collective on the sp group: they 
 the group's collective sequence, and cannot deadlock with the gloo transport mid-compile (an
 all_gather_object here hung intermittently on gloo with 2 and 4 ranks).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -42,23 +43,31 @@ def _exchange(ctx: SpContext, kind: str, value: str) -> list[str] | None:
     try:
         store.wait(ranks, base.timeout)
     except RuntimeError as e:
-        raise PlanError(None, f"not every rank of the sp group compiled this step within {base.timeout} ({e})",
-                        "call the sharded step on every rank of the group, with the same arguments") from e
+        raise PlanError(
+            None,
+            f"not every rank of the sp group compiled this step within {base.timeout} ({e})",
+            "call the sharded step on every rank of the group, with the same arguments",
+        ) from e
     return [store.get(r).decode() for r in ranks]
 
 
 def largest_peaks(ctx: SpContext):
     """A function of this rank's predicted peak per checkpointing rung that returns, per rung,
     the largest over the sp ranks: a budget is held against the rank that needs most."""
+
     def largest(peaks: list[int]) -> list[int]:
         got = _exchange(ctx, "peaks", ",".join(map(str, peaks)))
         if got is None:
             return peaks
         per_rank = [[int(x) for x in v.split(",")] for v in got]
         if len({len(p) for p in per_rank}) != 1:
-            raise PlanError(None, f"the sp ranks built different checkpointing ladders ({[len(p) for p in per_rank]} "
-                            "rungs)", "call the sharded step with identical, full inputs on every rank of the group")
+            raise PlanError(
+                None,
+                f"the sp ranks built different checkpointing ladders ({[len(p) for p in per_rank]} rungs)",
+                "call the sharded step with identical, full inputs on every rank of the group",
+            )
         return [max(col) for col in zip(*per_rank)]
+
     return largest
 
 
@@ -66,10 +75,16 @@ def _collective_order(*graphs: fx.GraphModule) -> list[list[str]]:
     """The collectives each graph issues, in order: op, and process group numbered by first use
     (ranks of different sub-groups of a 2D sp mesh use different groups in the same roles)."""
     groups: dict[str, int] = {}
-    return [[f"{nd.target}@{groups.setdefault(str(nd.args[-1]), len(groups))}" for nd in g.graph.nodes
-             if nd.op == "call_function" and ("_c10d_functional" in str(nd.target) or nd.target in FSDP_OPS)
-             and "wait_tensor" not in str(nd.target)]
-            for g in graphs]
+    return [
+        [
+            f"{nd.target}@{groups.setdefault(str(nd.args[-1]), len(groups))}"
+            for nd in g.graph.nodes
+            if nd.op == "call_function"
+            and ("_c10d_functional" in str(nd.target) or nd.target in FSDP_OPS)
+            and "wait_tensor" not in str(nd.target)
+        ]
+        for g in graphs
+    ]
 
 
 def check_same_schedule(fw: fx.GraphModule, bw: fx.GraphModule, ctx: SpContext) -> None:
@@ -80,10 +95,13 @@ def check_same_schedule(fw: fx.GraphModule, bw: fx.GraphModule, ctx: SpContext) 
     digest = hashlib.sha256(repr(order).encode()).hexdigest()
     got = _exchange(ctx, "schedule", f"{digest} {len(order[0])} {len(order[1])}")
     if got is not None and len({g.split()[0] for g in got}) != 1:
-        raise PlanError(None, "the sp ranks' partitioned graphs issue different collectives (forward, backward counts "
-                        f"per rank: {[tuple(g.split()[1:]) for g in got]}); running them would hang",
-                        "this is an autosp bug; please report it with AUTOSP_DEBUG=1 output. checkpoint='none' may "
-                        "avoid it meanwhile")
+        raise PlanError(
+            None,
+            "the sp ranks' partitioned graphs issue different collectives (forward, backward counts "
+            f"per rank: {[tuple(g.split()[1:]) for g in got]}); running them would hang",
+            "this is an autosp bug; please report it with AUTOSP_DEBUG=1 output. checkpoint='none' may "
+            "avoid it meanwhile",
+        )
 
 
 def check_same_plan(plan: Plan, ctx: SpContext) -> None:
@@ -93,6 +111,9 @@ def check_same_plan(plan: Plan, ctx: SpContext) -> None:
         log.warning("autosp plan check on %s: %d collectives", ctx.group, len(plan.collectives))
     digests = _exchange(ctx, "plan", digest)
     if digests is not None and len(set(digests)) != 1:
-        raise PlanError(None, f"the sp ranks built different plans (fingerprints {[d[:12] for d in digests]}); a rank "
-                        "saw other shapes or code", "call the sharded step with identical, full inputs on every rank "
-                        "of the group")
+        raise PlanError(
+            None,
+            f"the sp ranks built different plans (fingerprints {[d[:12] for d in digests]}); a rank "
+            "saw other shapes or code",
+            "call the sharded step with identical, full inputs on every rank of the group",
+        )

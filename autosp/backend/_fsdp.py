@@ -14,6 +14,7 @@ The FSDP group may be the dp group, the sp group (with the autosp mesh itself gi
 says (the sum over sp of the partial gradients, averaged over the dp replicas), each rank keeping
 its shard.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,8 +31,13 @@ from ..partition._fsdp import GatherArgs, fsdp_gather
 
 __all__ = ["FsdpParams", "find_fsdp", "detach_forward_hooks"]
 
-_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
-               "_forward_hooks_always_called")
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
 
 
 def _candidates(fn) -> list[nn.Module]:
@@ -55,10 +61,8 @@ def _candidates(fn) -> list[nn.Module]:
                 add(obj.__self__, depth)
             f = getattr(obj, "__func__", obj)
             for cell in f.__closure__ or ():
-                try:
+                with contextlib.suppress(ValueError):  # an empty cell
                     add(cell.cell_contents, depth)
-                except ValueError:  # an empty cell
-                    pass
             for name in f.__code__.co_names:
                 if name in f.__globals__:
                     add(f.__globals__[name], depth)
@@ -66,7 +70,7 @@ def _candidates(fn) -> list[nn.Module]:
             for v in vars(obj).values():
                 add(v, 1)
         elif isinstance(obj, (list, tuple, dict)) and depth == 0:
-            for v in (obj.values() if isinstance(obj, dict) else obj):
+            for v in obj.values() if isinstance(obj, dict) else obj:
                 add(v, 1)
 
     add(fn, 0)
@@ -114,9 +118,11 @@ class FsdpParams:
         rather than silently reducing anyway."""
         for st in self.states:
             if any(not pg.reduce_grads for pg in st._fsdp_param_groups):
-                raise ValueError("autosp: an FSDP2 module has set_requires_gradient_sync(False); autosp reduces "
-                                 "every step's gradients into their shards (gradients accumulate there across "
-                                 "backward calls): call set_requires_gradient_sync(True)")
+                raise ValueError(
+                    "autosp: an FSDP2 module has set_requires_gradient_sync(False); autosp reduces "
+                    "every step's gradients into their shards (gradients accumulate there across "
+                    "backward calls): call set_requires_gradient_sync(True)"
+                )
 
     @contextlib.contextmanager
     def hooks_suspended(self):
@@ -165,6 +171,77 @@ def _fsdp_error(name: str, what: str, fix: str) -> ValueError:
     return ValueError(f"autosp: FSDP2 parameter {name!r} {what}; {fix}")
 
 
+def _check(name: str, p: DTensor, pg, mp) -> int:
+    """The mesh dim FSDP2 shards parameter ``p`` over; an error for what autosp does not run."""
+    if mp.output_dtype is not None:
+        raise _fsdp_error(
+            name,
+            f"has a mixed-precision policy with output_dtype ({mp})",
+            "autosp runs FSDP2's param_dtype and reduce_dtype but casts no module "
+            "outputs: drop output_dtype and cast where the model needs it",
+        )
+    if type(getattr(pg, "offload_policy", None)).__name__ == "CPUOffloadPolicy":
+        raise _fsdp_error(
+            name,
+            "is offloaded to the CPU (CPUOffloadPolicy)",
+            "autosp keeps shards where they are: drop offload_policy",
+        )
+    shard_dims = [i for i, q in enumerate(p.placements) if isinstance(q, Shard)]
+    if (
+        len(shard_dims) != 1
+        or type(p.placements[shard_dims[0]]) is not Shard
+        or any(not isinstance(q, (Shard, Replicate)) for q in p.placements)
+    ):
+        raise _fsdp_error(
+            name,
+            f"has placements {p.placements} on {p.device_mesh}",
+            "autosp composes with FSDP2 sharding over one mesh dim (Shard(d)), optionally "
+            "replicated over another (HSDP)",
+        )
+    return shard_dims[0]
+
+
+def _outer(name: str, ranks: tuple[int, ...], mesh) -> str:
+    """The group holding the same shard as this rank (the gradient is all-reduced over it after
+    the reduce-scatter): none when FSDP shards over every rank, sp when over dp, dp when over sp."""
+    dp_ranks, sp_ranks = _ranks(mesh.dp_group), _ranks(mesh.sp_group)
+    if ranks == tuple(range(dist.get_world_size())):
+        return ""
+    if ranks == dp_ranks:
+        return mesh.sp_group.group_name if mesh.sp_size > 1 else ""
+    if ranks == sp_ranks:
+        return mesh.dp_group.group_name if mesh.dp_size > 1 else ""
+    raise _fsdp_error(
+        name,
+        f"is sharded over ranks {list(ranks)}, which are neither the autosp mesh's "
+        f"dp group {list(dp_ranks)}, its sp group {list(sp_ranks)} nor every rank",
+        "pass fully_shard(mesh=m.device_mesh['dp']), m.device_mesh['sp'], "
+        "m.device_mesh (HSDP: sharded over sp, replicated over dp) or a mesh of "
+        "every rank",
+    )
+
+
+def _gather_args(fp, pg, mp, mesh, reshard: bool) -> GatherArgs:
+    p = fp.sharded_param
+    name = f"{type(fp._module_info.module).__name__}.{fp._module_info.param_name}"
+    i = _check(name, p, pg, mp)
+    group = p.device_mesh.get_group(i)
+    ranks = _ranks(group)
+    d = p.placements[i].dim
+    dtype = mp.param_dtype or p.dtype
+    return GatherArgs(
+        dim=d,
+        size=p.shape[d],
+        world=len(ranks),
+        outer=_outer(name, ranks, mesh),
+        divide=mesh.dp_size,
+        reshard=reshard,
+        dtype=dtype,
+        reduce_dtype=mp.reduce_dtype or dtype,
+        group=group.group_name,
+    )
+
+
 def find_fsdp(fn, mesh) -> FsdpParams | None:
     """The FSDP2 parameters ``fn`` reaches (see ``_candidates``), or None without any."""
     from torch.distributed.fsdp import FSDPModule
@@ -178,56 +255,16 @@ def find_fsdp(fn, mesh) -> FsdpParams | None:
         return None
     inside = {id(sub) for f in fsdp for sub in f.modules() if sub is not f}
     tops = tuple(f for f in fsdp if id(f) not in inside)
-    world = tuple(range(dist.get_world_size()))
-    dp_ranks, sp_ranks = _ranks(mesh.dp_group), _ranks(mesh.sp_group)
     params: list[_Param] = []
     seen: set[int] = set()
-    states = []
-    for mod in fsdp:
-        st = mod._get_fsdp_state()
-        states.append(st)
-        mp = st._mp_policy
+    states = [mod._get_fsdp_state() for mod in fsdp]
+    for mod, st in zip(fsdp, states):
         for pg in st._fsdp_param_groups:
             reshard = pg.post_forward_mesh_info is not None and not (st._auto_reshard_after_forward and mod in tops)
             for fp in pg.fsdp_params:
-                p = fp.sharded_param
-                name = f"{type(fp._module_info.module).__name__}.{fp._module_info.param_name}"
-                if id(p) in seen:
-                    continue
-                seen.add(id(p))
-                if mp.output_dtype is not None:
-                    raise _fsdp_error(name, f"has a mixed-precision policy with output_dtype ({mp})",
-                                      "autosp runs FSDP2's param_dtype and reduce_dtype but casts no module "
-                                      "outputs: drop output_dtype and cast where the model needs it")
-                if type(getattr(pg, "offload_policy", None)).__name__ == "CPUOffloadPolicy":
-                    raise _fsdp_error(name, "is offloaded to the CPU (CPUOffloadPolicy)",
-                                      "autosp keeps shards where they are: drop offload_policy")
-                shard_dims = [i for i, q in enumerate(p.placements) if isinstance(q, Shard)]
-                if len(shard_dims) != 1 or type(p.placements[shard_dims[0]]) is not Shard or \
-                        any(not isinstance(q, (Shard, Replicate)) for q in p.placements):
-                    raise _fsdp_error(name, f"has placements {p.placements} on {p.device_mesh}",
-                                      "autosp composes with FSDP2 sharding over one mesh dim (Shard(d)), optionally "
-                                      "replicated over another (HSDP)")
-                i = shard_dims[0]
-                group = p.device_mesh.get_group(i)
-                ranks = _ranks(group)
-                if ranks == world:
-                    outer = ""
-                elif ranks == dp_ranks:
-                    outer = mesh.sp_group.group_name if mesh.sp_size > 1 else ""
-                elif ranks == sp_ranks:
-                    outer = mesh.dp_group.group_name if mesh.dp_size > 1 else ""
-                else:
-                    raise _fsdp_error(name, f"is sharded over ranks {list(ranks)}, which are neither the autosp mesh's "
-                                      f"dp group {list(dp_ranks)}, its sp group {list(sp_ranks)} nor every rank",
-                                      "pass fully_shard(mesh=m.device_mesh['dp']), m.device_mesh['sp'], "
-                                      "m.device_mesh (HSDP: sharded over sp, replicated over dp) or a mesh of "
-                                      "every rank")
-                d = p.placements[i].dim
-                dtype = mp.param_dtype or p.dtype
-                params.append(_Param(p, GatherArgs(dim=d, size=p.shape[d], world=len(ranks), outer=outer,
-                                                   divide=mesh.dp_size, reshard=reshard, dtype=dtype,
-                                                   reduce_dtype=mp.reduce_dtype or dtype, group=group.group_name)))
+                if id(fp.sharded_param) not in seen:
+                    seen.add(id(fp.sharded_param))
+                    params.append(_Param(fp.sharded_param, _gather_args(fp, pg, st._mp_policy, mesh, reshard)))
     names = []
     for top in tops:
         by_id: dict[int, list[str]] = {}

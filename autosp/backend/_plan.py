@@ -1,4 +1,5 @@
 """The plan ``autosp.explain`` returns: every node's placement and every inserted collective."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,16 +52,30 @@ class Plan:
         return sum(c.bytes_per_rank for c in self.collectives)
 
     def count(self, kind: str | None = None, *, backward: bool | None = None) -> int:
-        return sum(1 for c in self.collectives
-                   if (kind is None or c.kind == kind) and (backward is None or c.backward == backward))
+        return sum(
+            1
+            for c in self.collectives
+            if (kind is None or c.kind == kind) and (backward is None or c.backward == backward)
+        )
 
     def __str__(self) -> str:
-        head = f"autosp plan: sp={self.sp}, {len(self.collectives)} collectives, " \
-               f"{self.comm_bytes / 2**20:.3f} MiB sent per rank per step"
+        head = (
+            f"autosp plan: sp={self.sp}, {len(self.collectives)} collectives, "
+            f"{self.comm_bytes / 2**20:.3f} MiB sent per rank per step"
+        )
         rows = [("pass", "collective", "placement", "shape", "MiB/rank", "op", "source")]
         for c in self.collectives:
-            rows.append(("bwd" if c.backward else "fwd", c.kind, f"{c.src}->{c.dst}", "x".join(map(str, c.shape)) + f" {c.dtype}",
-                         f"{c.bytes_per_rank / 2**20:.4f}", c.op, c.source))
+            rows.append(
+                (
+                    "bwd" if c.backward else "fwd",
+                    c.kind,
+                    f"{c.src}->{c.dst}",
+                    "x".join(map(str, c.shape)) + f" {c.dtype}",
+                    f"{c.bytes_per_rank / 2**20:.4f}",
+                    c.op,
+                    c.source,
+                )
+            )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
         lines = ["  ".join(r[i].ljust(widths[i]) for i in range(len(widths))) + "  " + r[-1] for r in rows]
         tail = [str(x) for x in (self.memory, self.checkpoint) if x is not None]
@@ -99,12 +114,38 @@ def build_plan(joint: fx.GraphModule, choice: Choice, n: int, notes: tuple[str, 
                 continue
             v = out_vals(u)[i]
             where = nd if nd is not out_node else u
-            colls.append(Collective(kind, str(p), str(q), tuple(v.shape), _dtype(v), transfer_bytes(kind, nbytes(v), n),
-                                    u.name, nd.name if nd is not out_node else "output", str(where.target),
-                                    source_line(where), nd in backward or u in backward))
+            colls.append(
+                Collective(
+                    kind,
+                    str(p),
+                    str(q),
+                    tuple(v.shape),
+                    _dtype(v),
+                    transfer_bytes(kind, nbytes(v), n),
+                    u.name,
+                    nd.name if nd is not out_node else "output",
+                    str(where.target),
+                    source_line(where),
+                    nd in backward or u in backward,
+                )
+            )
         if nd is not out_node and plan[nd].kernel in (Kernel.RING, Kernel.HYBRID):  # exchanges inside the kernel
             kv = out_vals(nd.args[2 if is_attention_backward(nd.target) else 1])[0]
-            colls.append(Collective(str(plan[nd].kernel), "S(2)", "S(2)", tuple(kv.shape), _dtype(kv), plan[nd].comm,
-                                    nd.args[0].name, nd.name, str(nd.target), source_line(nd), nd in backward))
-    return Plan(n, placements, tuple(colls), choice.mem_bytes,
-                (*notes, *attention_notes(joint, plan, n), *fsdp_notes(joint)))
+            colls.append(
+                Collective(
+                    str(plan[nd].kernel),
+                    "S(2)",
+                    "S(2)",
+                    tuple(kv.shape),
+                    _dtype(kv),
+                    plan[nd].comm,
+                    nd.args[0].name,
+                    nd.name,
+                    str(nd.target),
+                    source_line(nd),
+                    nd in backward,
+                )
+            )
+    return Plan(
+        n, placements, tuple(colls), choice.mem_bytes, (*notes, *attention_notes(joint, plan, n), *fsdp_notes(joint))
+    )

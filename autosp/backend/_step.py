@@ -1,11 +1,13 @@
 """The runtime of a sharded step: ``ShardedStep`` (what ``autosp.shard`` returns) marks the
 sharded inputs, compiles once per mesh with the autosp backend, slices each dp replica's batch,
 hands FSDP2's shards to the graph, and turns torch's failures into autosp's errors."""
+
 from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch.distributed.tensor import Shard
@@ -60,11 +62,15 @@ def _map_inputs(fn: Callable, seq: SeqSpec, args, kwargs, mark):
 
 def _check_inputs(fn: Callable, seq: SeqSpec, n: int, args, kwargs) -> None:
     """Sequence dims need not divide by n (shards are then uneven, balanced), but must exist."""
+
     def check(name, value, dim):
         if value.ndim <= dim or value.shape[dim] == 0:
-            raise PlanError(None, f"input {name!r} of {getattr(fn, '__qualname__', fn)} has shape {tuple(value.shape)}: "
-                            f"it has no sequence dim {dim} to shard over sp={n}",
-                            "pass a non-empty sequence, or name the sharded inputs and dims with shard(seq=...)")
+            raise PlanError(
+                None,
+                f"input {name!r} of {getattr(fn, '__qualname__', fn)} has shape {tuple(value.shape)}: "
+                f"it has no sequence dim {dim} to shard over sp={n}",
+                "pass a non-empty sequence, or name the sharded inputs and dims with shard(seq=...)",
+            )
         return value
 
     _map_inputs(fn, seq, args, kwargs, check)
@@ -75,13 +81,18 @@ def _graph_break(e: Exception) -> GraphBreakError:
     where = f" at {where}" if where else ""
     first = next((line.strip() for line in str(e).strip().splitlines() if line.strip()), "")
     if "_fully_shard" in str(e):
-        return GraphBreakError(None, f"an FSDP2 module (fully_shard) ran inside the step{where}, but autosp did not "
-                               "find it through the step function, so its hooks broke the graph",
-                               "pass the module to autosp.shard(model), or reach it from the step function's "
-                               "closure, globals or a bound method's object")
-    return GraphBreakError(None, f"the step cannot be captured as one graph (graph break){where}: {first}",
-                           "rewrite that line with torch ops (no data-dependent Python control flow, "
-                           "no .item()/.tolist(), no print)")
+        return GraphBreakError(
+            None,
+            f"an FSDP2 module (fully_shard) ran inside the step{where}, but autosp did not "
+            "find it through the step function, so its hooks broke the graph",
+            "pass the module to autosp.shard(model), or reach it from the step function's "
+            "closure, globals or a bound method's object",
+        )
+    return GraphBreakError(
+        None,
+        f"the step cannot be captured as one graph (graph break){where}: {first}",
+        "rewrite that line with torch ops (no data-dependent Python control flow, no .item()/.tolist(), no print)",
+    )
 
 
 def _unwrap_errors(call):
@@ -96,9 +107,12 @@ def _unwrap_errors(call):
         raise _graph_break(e) from None
     except RuntimeError as e:
         if "timed out" in str(e).lower() or "timeout" in str(e).lower():
-            raise PlanError(None, f"a collective of the sharded step timed out ({str(e).splitlines()[0]})",
-                            "every rank of the sp group must run the same steps with the same shapes; "
-                            "check for a rank that skipped or changed a step") from e
+            raise PlanError(
+                None,
+                f"a collective of the sharded step timed out ({str(e).splitlines()[0]})",
+                "every rank of the sp group must run the same steps with the same shapes; "
+                "check for a rank that skipped or changed a step",
+            ) from e
         raise
 
 
@@ -126,8 +140,9 @@ class ShardedStep:
 
         def step(*args, **kwargs):
             shards = kwargs.pop(_SHARDS, None)
-            args, kwargs = _map_inputs(self.fn, self.seq, args, kwargs,
-                                       lambda name, value, dim: annotate_placement(value, Shard(dim), False))
+            args, kwargs = _map_inputs(
+                self.fn, self.seq, args, kwargs, lambda name, value, dim: annotate_placement(value, Shard(dim), False)
+            )
             if shards is not None:
                 return fsdp.call(shards, self.fn, args, kwargs)
             return self.fn(*args, **kwargs)
@@ -169,15 +184,21 @@ class ShardedStep:
 
         def cut(name, value, dim):
             if value.requires_grad:
-                raise ValueError(f"autosp: input {name!r} requires grad; with dp > 1 only parameters may "
-                                 "(its gradient would be a slice of the batch)")
+                raise ValueError(
+                    f"autosp: input {name!r} requires grad; with dp > 1 only parameters may "
+                    "(its gradient would be a slice of the batch)"
+                )
             if dim == 0:
-                raise ValueError(f"autosp: input {name!r} has its sequence on dim 0; with dp > 1 dim 0 is the "
-                                 "batch that the dp replicas split: put the sequence on dim 1 (or another dim)")
+                raise ValueError(
+                    f"autosp: input {name!r} has its sequence on dim 0; with dp > 1 dim 0 is the "
+                    "batch that the dp replicas split: put the sequence on dim 1 (or another dim)"
+                )
             if value.shape[0] % dp:
-                raise ValueError(f"autosp: input {name!r} has shape {tuple(value.shape)}: its batch dim 0 "
-                                 f"({value.shape[0]}) must divide by dp={dp}, each dp replica taking an equal "
-                                 "slice; pass a global batch that is a multiple of dp")
+                raise ValueError(
+                    f"autosp: input {name!r} has shape {tuple(value.shape)}: its batch dim 0 "
+                    f"({value.shape[0]}) must divide by dp={dp}, each dp replica taking an equal "
+                    "slice; pass a global batch that is a multiple of dp"
+                )
             return value.tensor_split(dp)[r]
 
         return _map_inputs(self.fn, self.seq, args, kwargs, cut)
@@ -197,8 +218,10 @@ class ShardedStep:
             self._compiled[key] = self._step(m)
         out = self._run(m, self._compiled[key], args, kwargs)
         if m.sp_size * m.dp_size > 1 and self.plan is None and torch.is_grad_enabled():
-            raise RuntimeError("autosp: the step ran without the autosp backend (nothing required grad, or Dynamo "
-                               "fell back to eager); the results were computed unsharded")
+            raise RuntimeError(
+                "autosp: the step ran without the autosp backend (nothing required grad, or Dynamo "
+                "fell back to eager); the results were computed unsharded"
+            )
         return out
 
     def explain(self, *args, **kwargs):

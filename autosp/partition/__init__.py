@@ -1,5 +1,6 @@
 """Partitioning: the per-rank graph, the collectives on its edges, its tiling along the sequence,
 the checkpointing decision and the memory it predicts."""
+
 from ._checkpoint import Checkpoint, Rung, RungSpec, checkpoint_partition
 from ._collectives import redistribute
 from ._fsdp import fsdp_notes, gathers_at_first_use
@@ -8,5 +9,17 @@ from ._localize import localize
 from ._memory import MemoryEstimate
 from ._tiling import Tiling, plan_tiles
 
-__all__ = ["Checkpoint", "Rung", "RungSpec", "checkpoint_partition", "redistribute", "fsdp_notes",
-           "gathers_at_first_use", "fold_kv_repeats", "localize", "MemoryEstimate", "Tiling", "plan_tiles"]
+__all__ = [
+    "Checkpoint",
+    "Rung",
+    "RungSpec",
+    "checkpoint_partition",
+    "redistribute",
+    "fsdp_notes",
+    "gathers_at_first_use",
+    "fold_kv_repeats",
+    "localize",
+    "MemoryEstimate",
+    "Tiling",
+    "plan_tiles",
+]

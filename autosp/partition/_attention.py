@@ -25,6 +25,7 @@ The third, on a 2D sp mesh, is hybrid: all-to-alls within each sub-group of u ra
 give each rank H / u heads of the sub-group's sequence, ring attention runs across the sub-groups
 on those heads, and all-to-alls turn the result back.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,19 +33,29 @@ import math
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import Shard
-
 from torch.fx.operator_schemas import normalize_function
 
 from .._context import Kernel
 from .._graph import ATTENTION_OPS, is_attention_backward, out_vals
 from ..propagate._attention import acc_dtype, blocks, halves, kv_sends, zigzag, zigzag_owner
-from ..propagate._attention import bounds as chunk_bounds, ranges as query_ranges
+from ..propagate._attention import bounds as chunk_bounds
+from ..propagate._attention import ranges as query_ranges
 from ..propagate._placement import chunks
 from ._collectives import redistribute
 
-__all__ = ["kv_gathered_attention", "kv_gathered_attention_backward", "ring_attention", "ring_attention_backward",
-           "hybrid_attention", "hybrid_attention_backward", "ring_attention_op", "ring_attention_backward_op",
-           "RING", "RING_BACKWARD", "SEQUENCE_KERNELS"]
+__all__ = [
+    "kv_gathered_attention",
+    "kv_gathered_attention_backward",
+    "ring_attention",
+    "ring_attention_backward",
+    "hybrid_attention",
+    "hybrid_attention_backward",
+    "ring_attention_op",
+    "ring_attention_backward_op",
+    "RING",
+    "RING_BACKWARD",
+    "SEQUENCE_KERNELS",
+]
 
 aten = torch.ops.aten
 
@@ -54,23 +65,30 @@ def kv_gathered_attention(q, k, v, start: int, is_causal: bool, scale=None, attn
     ``start ..`` of the sequence, with K and V whole (and the mask, if any, whole)."""
     sq = q.shape[2]
     if sq == 0:  # a rank without tokens (the kernel divides by the row count)
-        return q.new_zeros(q.shape[:3] + v.shape[3:]), q.new_zeros(q.shape[:3], dtype=torch.float32 if q.dtype in (
-            torch.bfloat16, torch.float16) else q.dtype)
+        return q.new_zeros(q.shape[:3] + v.shape[3:]), q.new_zeros(
+            q.shape[:3], dtype=torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
+        )
     if attn_mask is not None:
-        return tuple(aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, False, attn_mask=_rows(attn_mask, start, start + sq), scale=scale)[:2])
-    outs = [aten._scaled_dot_product_flash_attention_for_cpu(q, k[:, :, a:b], v[:, :, a:b], 0.0, c, scale=scale)[:2]
-            for a, b, c in blocks(start, start + sq, 0, k.shape[2], is_causal)]
+        return tuple(
+            aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, False, attn_mask=_rows(attn_mask, start, start + sq), scale=scale
+            )[:2]
+        )
+    outs = [
+        aten._scaled_dot_product_flash_attention_for_cpu(q, k[:, :, a:b], v[:, :, a:b], 0.0, c, scale=scale)[:2]
+        for a, b, c in blocks(start, start + sq, 0, k.shape[2], is_causal)
+    ]
     if len(outs) == 1:
         return outs[0]
     lse = torch.logaddexp(outs[0][1], outs[1][1])
     # merged in fp32 (the kernel accumulates in fp32 too), rounded once
-    out = sum(o.float() * torch.exp(l - lse).unsqueeze(-1).float() for o, l in outs)
+    out = sum(o.float() * torch.exp(s - lse).unsqueeze(-1).float() for o, s in outs)
     return out.to(q.dtype), lse
 
 
-def kv_gathered_attention_backward(grad_out, q, k, v, out, lse, start: int, is_causal: bool, scale=None,
-                                   attn_mask=None):
+def kv_gathered_attention_backward(
+    grad_out, q, k, v, out, lse, start: int, is_causal: bool, scale=None, attn_mask=None
+):
     """(grad q, grad k, grad v): grad q for this rank's rows, grad k and v partial (this rank's
     rows' contribution to every key)."""
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
@@ -79,10 +97,12 @@ def kv_gathered_attention_backward(grad_out, q, k, v, out, lse, start: int, is_c
         return dq, dk, dv
     if attn_mask is not None:
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k, v, out, lse, 0.0, False, attn_mask=_rows(attn_mask, start, start + q.shape[2]), scale=scale)
+            grad_out, q, k, v, out, lse, 0.0, False, attn_mask=_rows(attn_mask, start, start + q.shape[2]), scale=scale
+        )
     for a, b, c in blocks(start, start + q.shape[2], 0, k.shape[2], is_causal):
         gq, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k[:, :, a:b], v[:, :, a:b], out, lse, 0.0, c, scale=scale)
+            grad_out, q, k[:, :, a:b], v[:, :, a:b], out, lse, 0.0, c, scale=scale
+        )
         dq = dq + gq
         dk = dk.slice_scatter(gk, 2, a, b) if (a, b) != (0, k.shape[2]) else gk
         dv = dv.slice_scatter(gv, 2, a, b) if (a, b) != (0, k.shape[2]) else gv
@@ -92,12 +112,14 @@ def kv_gathered_attention_backward(grad_out, q, k, v, out, lse, start: int, is_c
 # ---------------------------------------------------------------------------------------------
 # ring attention
 
+
 def _rows(x: torch.Tensor, a: int, b: int) -> torch.Tensor:
     return x.narrow(2, a, b - a)
 
 
-def _move(ts: list[torch.Tensor], have: list[tuple[int, int, int]], want: list[tuple[int, int, int]],
-          n: int, rank: int, group) -> list[list[torch.Tensor]]:
+def _move(
+    ts: list[torch.Tensor], have: list[tuple[int, int, int]], want: list[tuple[int, int, int]], n: int, rank: int, group
+) -> list[list[torch.Tensor]]:
     """Move row segments between ranks in one ``all_to_all_single``. ``have``: (segment, dst,
     rows) of each local segment, laid out in that order along dim 2; ``want``: (segment, src,
     rows) of the segments to receive. The tensors ((B, H, S, D) or a log-sum-exp's (B, H, S), one
@@ -117,8 +139,9 @@ def _move(ts: list[torch.Tensor], have: list[tuple[int, int, int]], want: list[t
         send[dst] += have[i][2] * row
     for src, _, rows in in_order:
         recv[src] += rows * row
-    flat = torch.cat([_rows(packed, offs[i], offs[i + 1]).reshape(-1) for _, _, i in out_order]
-                     or [packed.new_zeros(0)])
+    flat = torch.cat(
+        [_rows(packed, offs[i], offs[i + 1]).reshape(-1) for _, _, i in out_order] or [packed.new_zeros(0)]
+    )
     got = funcol.all_to_all_single(flat, recv, send, group)
     pieces = dict(local)
     for (_, seg, rows), p in zip(in_order, got.split([rows * row for _, _, rows in in_order])):
@@ -129,7 +152,7 @@ def _move(ts: list[torch.Tensor], have: list[tuple[int, int, int]], want: list[t
     out, col = [], 0
     for t in ts:
         w = t.shape[-1] if t.ndim == 4 else 1
-        segs = [pieces[s][..., col:col + w] for s, _, _ in want]
+        segs = [pieces[s][..., col : col + w] for s, _, _ in want]
         out.append([x if t.ndim == 4 else x.squeeze(-1) for x in segs])
         col += w
     return out
@@ -161,12 +184,14 @@ def _to_zigzag(ts: list[torch.Tensor], S: int, n: int, rank: int, group) -> list
 
 def _from_zigzag(ts: list[torch.Tensor], S: int, n: int, rank: int, group) -> list[torch.Tensor]:
     """The contiguous chunks back from tensors holding this rank's two zigzag half-chunks."""
-    return _by_dtype(ts, lambda g: [torch.cat(x, dim=2)
-                                    for x in _move(g, *_zigzag_moves(S, n, rank, True), n, rank, group)])
+    return _by_dtype(
+        ts, lambda g: [torch.cat(x, dim=2) for x in _move(g, *_zigzag_moves(S, n, rank, True), n, rank, group)]
+    )
 
 
-def _shift(ts: list[torch.Tensor], shapes: list[list[int]], n: int, rank: int, group,
-           send: bool = True, recv: bool = True) -> list[torch.Tensor]:
+def _shift(
+    ts: list[torch.Tensor], shapes: list[list[int]], n: int, rank: int, group, send: bool = True, recv: bool = True
+) -> list[torch.Tensor]:
     """Send ``ts`` (one dtype) to the next rank; receive tensors of ``shapes`` from the previous.
     ``send``/``recv`` False: nothing goes that way (the receiver will not use it); an empty tensor
     is returned for each shape then."""
@@ -218,12 +243,12 @@ def _masked_lse(lse: torch.Tensor, mask) -> torch.Tensor:
     return lse.masked_fill((mask == float("-inf")).all(-1).expand(lse.shape), float("-inf"))
 
 
-def _merge(out, lse, o, l, masked: bool):
-    """Two partial attention results over disjoint keys, by their log-sum-exps (under a mask, rows
-    without any key yet stay at -inf with weight 0)."""
-    m = torch.logaddexp(lse, l)
+def _merge(out, lse, o, s, masked: bool):
+    """Two partial attention results (out, lse) and (o, s) over disjoint keys, by their
+    log-sum-exps (under a mask, rows without any key yet stay at -inf with weight 0)."""
+    m = torch.logaddexp(lse, s)
     base = m.masked_fill(m == float("-inf"), 0.0) if masked else m
-    return out * torch.exp(lse - base).unsqueeze(-1) + o * torch.exp(l - base).unsqueeze(-1), m
+    return out * torch.exp(lse - base).unsqueeze(-1) + o * torch.exp(s - base).unsqueeze(-1), m
 
 
 def _add(acc: torch.Tensor | None, x: torch.Tensor, a: int, b: int, rows: int) -> torch.Tensor:
@@ -255,13 +280,14 @@ def ring_attention(q, k, v, *, S: int, rank: int, n: int, group, is_causal: bool
         for i, ((qa, qb), qt) in enumerate(zip(ranges, qs)):
             for a, b, c in blocks(qa, qb, ka, kb, is_causal):
                 mask = _block_mask(attn_mask, qa, qb, a, b)
-                o, l = aten._scaled_dot_product_flash_attention_for_cpu(
-                    qt, _rows(kc, a - ka, b - ka), _rows(vc, a - ka, b - ka), 0.0, c, attn_mask=mask, scale=scale)[:2]
-                o, l = o.to(acc), _masked_lse(l.to(acc), mask)
+                o, s = aten._scaled_dot_product_flash_attention_for_cpu(
+                    qt, _rows(kc, a - ka, b - ka), _rows(vc, a - ka, b - ka), 0.0, c, attn_mask=mask, scale=scale
+                )[:2]
+                o, s = o.to(acc), _masked_lse(s.to(acc), mask)
                 if outs[i] is None:
-                    outs[i], lses[i] = o, l
+                    outs[i], lses[i] = o, s
                 else:
-                    outs[i], lses[i] = _merge(outs[i], lses[i], o, l, attn_mask is not None)
+                    outs[i], lses[i] = _merge(outs[i], lses[i], o, s, attn_mask is not None)
         if t < n - 1:
             kc, vc = nxt
             unused = None if used else kc
@@ -277,8 +303,9 @@ def ring_attention(q, k, v, *, S: int, rank: int, n: int, group, is_causal: bool
     return (out, lse) if not is_causal else tuple(_from_zigzag([out, lse], S, n, rank, group))
 
 
-def ring_attention_backward(grad_out, q, k, v, out, lse, *, S: int, rank: int, n: int, group, is_causal: bool,
-                            scale=None, attn_mask=None):
+def ring_attention_backward(
+    grad_out, q, k, v, out, lse, *, S: int, rank: int, n: int, group, is_causal: bool, scale=None, attn_mask=None
+):
     """(grad q, grad k, grad v) of this rank's chunks: K/V travel the ring again, and behind them
     the accumulators of their gradients, which arrive home after the last step."""
     acc = acc_dtype(q.dtype)
@@ -296,8 +323,17 @@ def ring_attention_backward(grad_out, q, k, v, out, lse, *, S: int, rank: int, n
         for i, (qa, qb) in enumerate(ranges):
             for a, b, c in blocks(qa, qb, ka, kb, is_causal):
                 d_q, d_k, d_v = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                    gos[i], qs[i], _rows(kc, a - ka, b - ka), _rows(vc, a - ka, b - ka), os_[i], ls[i], 0.0, c,
-                    attn_mask=_block_mask(attn_mask, qa, qb, a, b), scale=scale)
+                    gos[i],
+                    qs[i],
+                    _rows(kc, a - ka, b - ka),
+                    _rows(vc, a - ka, b - ka),
+                    os_[i],
+                    ls[i],
+                    0.0,
+                    c,
+                    attn_mask=_block_mask(attn_mask, qa, qb, a, b),
+                    scale=scale,
+                )
                 dqs[i] = _add(dqs[i], d_q.to(acc), 0, qb - qa, qb - qa)
                 gk = _add(gk, d_k.to(acc), a - ka, b - ka, kb - ka)
                 gv = _add(gv, d_v.to(acc), a - ka, b - ka, kb - ka)
@@ -321,6 +357,7 @@ def ring_attention_backward(grad_out, q, k, v, out, lse, *, S: int, rank: int, n
 # ---------------------------------------------------------------------------------------------
 # hybrid: Ulysses within sub-groups of u ranks, ring attention across the n / u sub-groups
 
+
 def _seq_to_heads(x: torch.Tensor, u: int, i: int, group) -> torch.Tensor:
     """(B, H, c, ...) sequence chunks of the u ranks of a sub-group -> (B, H / u, u c, ...): this
     rank's heads of the sub-group's sequence, Shard(2) -> Shard(1) over the sub-group (the plan's
@@ -343,26 +380,66 @@ def _mask_heads(mask, u: int, i: int):
     return mask.narrow(1, i * h, h)
 
 
-def hybrid_attention(q, k, v, *, S: int, rank: int, n: int, u: int, inner, outer, is_causal: bool, scale=None,
-                     attn_mask=None):
+def hybrid_attention(
+    q, k, v, *, S: int, rank: int, n: int, u: int, inner, outer, is_causal: bool, scale=None, attn_mask=None
+):
     """(out, logsumexp) for this rank's chunk: all-to-alls within the sub-group turn its u chunks
     into this rank's H / u heads of the sub-group's sequence, ring attention runs across the
     n / u sub-groups on those heads, and all-to-alls turn the result back."""
     g, i = divmod(rank, u)
     qh, kh, vh = (_seq_to_heads(x, u, i, inner) for x in (q, k, v))
-    out, lse = ring_attention(qh, kh, vh, S=S, rank=g, n=n // u, group=outer, is_causal=is_causal, scale=scale,
-                              attn_mask=_mask_heads(attn_mask, u, i))
+    out, lse = ring_attention(
+        qh,
+        kh,
+        vh,
+        S=S,
+        rank=g,
+        n=n // u,
+        group=outer,
+        is_causal=is_causal,
+        scale=scale,
+        attn_mask=_mask_heads(attn_mask, u, i),
+    )
     return _heads_to_seq(out, u, i, inner), _heads_to_seq(lse, u, i, inner)
 
 
-def hybrid_attention_backward(grad_out, q, k, v, out, lse, *, S: int, rank: int, n: int, u: int, inner, outer,
-                              is_causal: bool, scale=None, attn_mask=None):
+def hybrid_attention_backward(
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    *,
+    S: int,
+    rank: int,
+    n: int,
+    u: int,
+    inner,
+    outer,
+    is_causal: bool,
+    scale=None,
+    attn_mask=None,
+):
     """(grad q, grad k, grad v): the same all-to-alls, the ring's backward across the sub-groups,
     and the gradients back."""
     g, i = divmod(rank, u)
     go, qh, kh, vh, oh, lh = (_seq_to_heads(x, u, i, inner) for x in (grad_out, q, k, v, out, lse))
-    dq, dk, dv = ring_attention_backward(go, qh, kh, vh, oh, lh, S=S, rank=g, n=n // u, group=outer,
-                                         is_causal=is_causal, scale=scale, attn_mask=_mask_heads(attn_mask, u, i))
+    dq, dk, dv = ring_attention_backward(
+        go,
+        qh,
+        kh,
+        vh,
+        oh,
+        lh,
+        S=S,
+        rank=g,
+        n=n // u,
+        group=outer,
+        is_causal=is_causal,
+        scale=scale,
+        attn_mask=_mask_heads(attn_mask, u, i),
+    )
     return tuple(_heads_to_seq(x, u, i, inner) for x in (dq, dk, dv))
 
 
@@ -370,6 +447,7 @@ def hybrid_attention_backward(grad_out, q, k, v, out, lse, *, S: int, rank: int,
 # the per-rank graph's view of ring and hybrid attention: one opaque op each way. Unrolled into
 # the graph, a ring is hundreds of small ops per layer (compile time grew 40% on a 3-layer toy)
 # and its exchanges, some of which only one rank's compute uses, are at the partitioner's mercy.
+
 
 def _waited(ts, inputs) -> tuple[torch.Tensor, ...]:
     """The kernel's results as a custom op must return them: waited for, contiguous (the fake
@@ -386,9 +464,20 @@ def _waited(ts, inputs) -> tuple[torch.Tensor, ...]:
 
 
 @torch.library.custom_op("autosp::ring_attention", mutates_args=())
-def ring_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
-                      S: int, rank: int, n: int, group: str, is_causal: bool, scale: float | None, u: int,
-                      inner: str) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_attention_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    S: int,
+    rank: int,
+    n: int,
+    group: str,
+    is_causal: bool,
+    scale: float | None,
+    u: int,
+    inner: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, logsumexp) of this rank's chunk: ring attention over ``group`` (``u == 1``), or hybrid
     attention with sub-groups of ``u`` (``inner`` within, ``group`` across)."""
     kw = dict(S=S, rank=rank, n=n, is_causal=is_causal, scale=scale, attn_mask=attn_mask)
@@ -399,15 +488,30 @@ def ring_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 @ring_attention_op.register_fake
 def _(query, key, value, attn_mask, S, rank, n, group, is_causal, scale, u, inner):
-    return (query.new_empty([*query.shape[:3], value.shape[3]]),
-            query.new_empty(query.shape[:3], dtype=acc_dtype(query.dtype)))
+    return (
+        query.new_empty([*query.shape[:3], value.shape[3]]),
+        query.new_empty(query.shape[:3], dtype=acc_dtype(query.dtype)),
+    )
 
 
 @torch.library.custom_op("autosp::ring_attention_backward", mutates_args=())
-def ring_attention_backward_op(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                               out: torch.Tensor, logsumexp: torch.Tensor, attn_mask: torch.Tensor | None, S: int,
-                               rank: int, n: int, group: str, is_causal: bool, scale: float | None, u: int,
-                               inner: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def ring_attention_backward_op(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    logsumexp: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    S: int,
+    rank: int,
+    n: int,
+    group: str,
+    is_causal: bool,
+    scale: float | None,
+    u: int,
+    inner: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad query, grad key, grad value) of this rank's chunks (see ``ring_attention_op``)."""
     kw = dict(S=S, rank=rank, n=n, is_causal=is_causal, scale=scale, attn_mask=attn_mask)
     args = (grad_out, query, key, value, out, logsumexp)
@@ -442,7 +546,7 @@ def _sequence_call(nd, s, target, args, kwargs, ctx):
     S = out_vals(nd.args[1 if backward else 0])[0].shape[2]
     common = dict(is_causal=bool(a["is_causal"]), scale=a["scale"], attn_mask=a["attn_mask"])
     if s.kernel == Kernel.KV_GATHER:
-        common.update(start=sum(chunks(S, ctx.n)[:ctx.rank]))
+        common.update(start=sum(chunks(S, ctx.n)[: ctx.rank]))
         fn = kv_gathered_attention_backward if backward else kv_gathered_attention
     else:
         u, inner, outer = (ctx.ulysses, ctx.inner, ctx.outer) if s.kernel == Kernel.HYBRID else (1, "", ctx.group)

@@ -28,13 +28,14 @@ one:
 - an int: a budget in bytes per rank for the step's peak beyond parameters and optimizer
   state; the cheapest rung that fits, or an error naming the smallest budget that fits.
 """
+
 from __future__ import annotations
 
 import math
 import operator
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -44,7 +45,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 from .._context import check_policy
 from .._graph import is_attention, is_attention_backward, op_args, out_bytes
 from ..errors import PlanError
-from ._fsdp import GATHER as _FSDP_GATHER, fsdp_tags
+from ._fsdp import GATHER as _FSDP_GATHER
+from ._fsdp import fsdp_tags
 from ._memory import MemoryEstimate, estimate_memory
 
 __all__ = ["Checkpoint", "Rung", "RungSpec", "checkpoint_partition", "select"]
@@ -151,10 +153,13 @@ def select(policy, rungs: list[Rung], peaks: list[int] | None = None) -> Rung:
     if not fits:
         smallest = min(rungs, key=lambda r: peak[id(r)])
         need = peak[id(smallest)]
-        raise PlanError(None, f"no checkpointing plan fits checkpoint={policy} bytes per rank: the smallest predicted "
-                        f"peak is {need} bytes ({need / 2**20:.1f} MiB, rung {smallest.name!r}, on the rank that "
-                        f"needs most; here: {smallest.memory})",
-                        f"pass checkpoint={need} or more, use more sp ranks, or a shorter sequence")
+        raise PlanError(
+            None,
+            f"no checkpointing plan fits checkpoint={policy} bytes per rank: the smallest predicted "
+            f"peak is {need} bytes ({need / 2**20:.1f} MiB, rung {smallest.name!r}, on the rank that "
+            f"needs most; here: {smallest.memory})",
+            f"pass checkpoint={need} or more, use more sp ranks, or a shorter sequence",
+        )
     return min(fits, key=lambda r: (r.recompute, peak[id(r)]))
 
 
@@ -177,8 +182,7 @@ def _attention_flops(nd: fx.Node) -> float:
     return flops * (0.5 if causal else 1.0) * (2.5 if is_attention_backward(nd.target) else 1.0)
 
 
-_MATMULS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1),
-            aten.baddbmm.default: (1, 2)}
+_MATMULS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1), aten.baddbmm.default: (1, 2)}
 
 
 def _flops(nd: fx.Node) -> float:
@@ -230,15 +234,22 @@ def _head_ops(gm: fx.GraphModule, fwd: dict[fx.Node, str]) -> list[fx.Node]:
     vocabulary projection and the loss (recomputed by the tiled rung, tile by tile)."""
     after: set[fx.Node] = set()
     for nd in gm.graph.nodes:
-        if nd.op == "call_function" and nd.meta.get("partitioner_tag") == "is_forward" and nd not in fwd and any(
-                u in fwd or u in after for u in nd.all_input_nodes):
+        if (
+            nd.op == "call_function"
+            and nd.meta.get("partitioner_tag") == "is_forward"
+            and nd not in fwd
+            and any(u in fwd or u in after for u in nd.all_input_nodes)
+        ):
             after.add(nd)
     # only what the backward reads: the loss's own sum, tagged, would take its all-reduce along
     # into the backward (the partitioner keeps a collective whose input it has there)
     read: set[fx.Node] = set()
     for nd in reversed(gm.graph.nodes):
-        if nd.op == "call_function" and nd.meta.get("partitioner_tag") == "is_backward" or any(
-                u in read for u in nd.users):
+        if (
+            nd.op == "call_function"
+            and nd.meta.get("partitioner_tag") == "is_backward"
+            or any(u in read for u in nd.users)
+        ):
             read.add(nd)
     return [nd for nd in gm.graph.nodes if nd in after and nd in read]
 
@@ -266,19 +277,30 @@ def _attention_merges(fwd: dict[fx.Node, str], kinds: dict[fx.Node, str]) -> set
     same size. They make the attention output: kept, like the kernel's own, or recomputing them
     would save every block's partial output instead."""
     out: set[fx.Node] = set()
-    todo = [(g, g.meta["val"].numel()) for nd in fwd if kinds[nd] == "attention" for g in nd.users
-            if kinds.get(g) == "getitem" and isinstance(g.meta.get("val"), torch.Tensor)]
+    todo = [
+        (g, g.meta["val"].numel())
+        for nd in fwd
+        if kinds[nd] == "attention"
+        for g in nd.users
+        if kinds.get(g) == "getitem" and isinstance(g.meta.get("val"), torch.Tensor)
+    ]
     while todo:
         nd, numel = todo.pop()
         for u in nd.users:
-            if u not in out and kinds.get(u) == "compute" and isinstance(u.meta.get("val"), torch.Tensor) \
-                    and u.meta["val"].numel() == numel:
+            if (
+                u not in out
+                and kinds.get(u) == "compute"
+                and isinstance(u.meta.get("val"), torch.Tensor)
+                and u.meta["val"].numel() == numel
+            ):
                 out.add(u)
                 todo.append((u, numel))
     return out
 
 
-def _layer_tags(gm: fx.GraphModule, cost: dict[str, float], tiles: int) -> tuple[list[tuple[RungSpec, Tags]], dict[str, int]]:
+def _layer_tags(
+    gm: fx.GraphModule, cost: dict[str, float], tiles: int
+) -> tuple[list[tuple[RungSpec, Tags]], dict[str, int]]:
     """The rungs (what each recomputes, and its tags) and the region of each tagged op. On a tiled
     graph (``tiles`` > 1) the ladder also has "full + loss": "full" and the ops after the last layer
     (``_head_ops``); untiled, the recomputed logits would come back whole."""
@@ -301,18 +323,32 @@ def _layer_tags(gm: fx.GraphModule, cost: dict[str, float], tiles: int) -> tuple
 
     rungs: list[tuple[RungSpec, Tags]] = [(RungSpec("none"), {})]
     ratios = sorted({float(f"{r:.2g}") for r in per_byte.values()})
-    thresholds = sorted({ratios[min(len(ratios) - 1, math.ceil(q * len(ratios)) - 1)]
-                         for q in [(k + 1) / RUNGS for k in range(RUNGS)]}) if ratios else []
+    thresholds = (
+        sorted(
+            {
+                ratios[min(len(ratios) - 1, math.ceil(q * len(ratios)) - 1)]
+                for q in [(k + 1) / RUNGS for k in range(RUNGS)]
+            }
+        )
+        if ratios
+        else []
+    )
     for t in thresholds:
-        tags = {**keep, **views, **{name: CheckpointPolicy.PREFER_RECOMPUTE for name, r in per_byte.items()
-                                    if float(f"{r:.2g}") <= t}}
+        tags = {
+            **keep,
+            **views,
+            **{name: CheckpointPolicy.PREFER_RECOMPUTE for name, r in per_byte.items() if float(f"{r:.2g}") <= t},
+        }
         rungs.append((RungSpec("threshold", t, tiles=tiles), with_getitems(tags)))
     if not fwd:
         return rungs, regions
     full = {**{nd.name: CheckpointPolicy.PREFER_RECOMPUTE for nd in fwd if kinds[nd] in ("compute", "view")}, **keep}
     rungs.append((RungSpec("full", tiles=tiles), with_getitems(full)))
-    head_tags = {nd.name: CheckpointPolicy.PREFER_RECOMPUTE if kinds[nd] in ("compute", "view") else
-                 CheckpointPolicy.MUST_SAVE for nd in head if kinds[nd] != "getitem"}
+    head_tags = {
+        nd.name: CheckpointPolicy.PREFER_RECOMPUTE if kinds[nd] in ("compute", "view") else CheckpointPolicy.MUST_SAVE
+        for nd in head
+        if kinds[nd] != "getitem"
+    }
     if head_tags:
         rungs.append((RungSpec("full", loss=True, tiles=tiles), with_getitems({**full, **head_tags})))
     return rungs, regions
@@ -344,15 +380,21 @@ class _Ladder:
 
     def written(self) -> float:
         """The estimated cost of the ops that compute (not views or getitems)."""
-        return sum(self.cost[nd.name] for nd in self.graph.graph.nodes
-                   if nd.op == "call_function" and _kind(nd) not in ("view", "getitem"))
+        return sum(
+            self.cost[nd.name]
+            for nd in self.graph.graph.nodes
+            if nd.op == "call_function" and _kind(nd) not in ("view", "getitem")
+        )
 
     def recompute_cost(self, fw: fx.GraphModule, bw: fx.GraphModule) -> float:
         """What the backward recomputes (FSDP's parameter gathers are communication, as FSDP2 runs
         them in every setting, not activation recompute)."""
         fw_names = {nd.name for nd in fw.graph.nodes if nd.op == "call_function"}
-        return sum(self.cost_of(nd) for nd in bw.graph.nodes
-                   if nd.op == "call_function" and nd.name in fw_names and nd.target is not _FSDP_GATHER)
+        return sum(
+            self.cost_of(nd)
+            for nd in bw.graph.nodes
+            if nd.op == "call_function" and nd.name in fw_names and nd.target is not _FSDP_GATHER
+        )
 
 
 def _settled(policy, rung: Rung) -> bool:
@@ -364,22 +406,52 @@ def _settled(policy, rung: Rung) -> bool:
 
 @dataclass(frozen=True)
 class _Partitioner:
-    """AOTAutograd's min-cut partitioner on a tagged copy of a graph, and the memory it predicts."""
+    """AOTAutograd's min-cut partitioner on a tagged copy of a graph, and the rung it makes: the
+    memory it predicts and what its backward recomputes, against the step's cost."""
 
     joint_inputs: object
     num_fwd_outputs: int
     kwargs: dict
+    step: float  # the estimated cost of the whole step without recomputation
+    attention: float  # the part of it spent in attention
 
-    def __call__(self, ladder: _Ladder, tags: Tags):
+    def __call__(self, ladder: _Ladder, spec: RungSpec, tags: Tags, extra: float = 0.0):
+        """(Rung, forward, backward); ``extra``: recompute cost beyond what the backward reruns."""
         g = _tagged_copy(ladder.graph, tags, ladder.regions)
-        fw, bw = partitioners.min_cut_rematerialization_partition(g, self.joint_inputs,
-                                                                 num_fwd_outputs=self.num_fwd_outputs, **self.kwargs)
-        return fw, bw, estimate_memory(fw, bw, self.num_fwd_outputs)
+        fw, bw = partitioners.min_cut_rematerialization_partition(
+            g, self.joint_inputs, num_fwd_outputs=self.num_fwd_outputs, **self.kwargs
+        )
+        memory = estimate_memory(fw, bw, self.num_fwd_outputs)
+        return Rung(spec, memory, ladder.recompute_cost(fw, bw) + extra, self.step, self.attention), fw, bw
 
 
-def checkpoint_partition(gm: fx.GraphModule, joint_inputs, policy, *, num_fwd_outputs: int,
-                         every_rung: bool = False, largest=None,
-                         tiled: Callable[[], fx.GraphModule] | None = None, tiles: int = 1, **kwargs):
+def _climb(ladder: _Ladder, rungs, partition: _Partitioner, policy, every_rung: bool):
+    """The rungs partitioned from the one that recomputes least, until the policy is settled
+    (all of them with ``every_rung``): ([(Rung, forward, backward)], settled)."""
+    results, seen, settled = [], [], False
+    for spec, tags in rungs:
+        if tags in seen:  # a rung that tags nothing more than the one before it
+            continue
+        seen.append(tags)
+        results.append(partition(ladder, spec, tags))
+        settled = _settled(policy, results[-1][0])
+        if not every_rung and settled:
+            break
+    return results, settled
+
+
+def checkpoint_partition(
+    gm: fx.GraphModule,
+    joint_inputs,
+    policy,
+    *,
+    num_fwd_outputs: int,
+    every_rung: bool = False,
+    largest=None,
+    tiled: Callable[[], fx.GraphModule] | None = None,
+    tiles: int = 1,
+    **kwargs,
+):
     """Partition the per-rank joint graph under ``policy``: (forward, backward, Checkpoint). The
     ladder is walked from the rung that recomputes least and stops once the policy is settled,
     unless ``every_rung`` (planning tools compare them all). A budget evaluates every rung and
@@ -391,40 +463,26 @@ def checkpoint_partition(gm: fx.GraphModule, joint_inputs, policy, *, num_fwd_ou
     the untiled "full" gives."""
     check_policy(policy)
     every_rung = every_rung or isinstance(policy, int)
-    partition = _Partitioner(joint_inputs, num_fwd_outputs, kwargs)
     ladder = _Ladder.of(gm)
-    step_cost = sum(ladder.cost.values())
-    attention_cost = sum(ladder.cost[nd.name] for nd in gm.graph.nodes
-                         if nd.op == "call_function" and _kind(nd) == "attention")
+    attention = sum(
+        ladder.cost[nd.name] for nd in gm.graph.nodes if nd.op == "call_function" and _kind(nd) == "attention"
+    )
+    partition = _Partitioner(joint_inputs, num_fwd_outputs, kwargs, sum(ladder.cost.values()), attention)
     rungs = ladder.rungs
     if policy in ("none", "full") and not every_rung:
         rungs = rungs[:1] if policy == "none" else rungs[-1:]
-
-    results, seen, settled = [], [], False
-    for spec, tags in rungs:
-        if tags in seen:  # a rung that tags nothing more than the one before it
-            continue
-        seen.append(tags)
-        fw, bw, mem = partition(ladder, tags)
-        rung = Rung(spec, mem, ladder.recompute_cost(fw, bw), step_cost, attention_cost)
-        results.append((rung, fw, bw))
-        settled = _settled(policy, rung)
-        if not every_rung and settled:
-            break
+    results, settled = _climb(ladder, rungs, partition, policy, every_rung)
     # the tiled rungs: where the walk reached "full" (a budget or a planning tool: always, and a
     # budget alike on every rank)
     if tiled is not None and policy != "none" and rungs[-1][0].kind == "full" and (every_rung or not settled):
         tiled_ladder = _Ladder.of(tiled(), tiles)
         # the tiles' joins and partial sums count as recompute (views, the tiles' slices, write nothing)
         extra = max(tiled_ladder.written() - ladder.written(), 0.0)
-        for spec, tags in tiled_ladder.rungs:
-            if spec.kind == "full":
-                fw, bw, mem = partition(tiled_ladder, tags)
-                rung = Rung(spec, mem, tiled_ladder.recompute_cost(fw, bw) + extra, step_cost, attention_cost)
-                results.append((rung, fw, bw))
-    peaks = [r.memory.peak for r, _, _ in results]
-    rung = select(policy, [r for r, _, _ in results],
-                  largest(peaks) if largest is not None and isinstance(policy, int) else peaks)
+        results += [
+            partition(tiled_ladder, spec, tags, extra) for spec, tags in tiled_ladder.rungs if spec.kind == "full"
+        ]
+    evaluated = [r for r, _, _ in results]
+    peaks = [r.memory.peak for r in evaluated]
+    rung = select(policy, evaluated, largest(peaks) if largest is not None and isinstance(policy, int) else peaks)
     _, fw, bw = next(r for r in results if r[0] is rung)
-    return fw, bw, Checkpoint(f"{policy} bytes" if isinstance(policy, int) else policy, rung,
-                              tuple(r for r, _, _ in results))
+    return fw, bw, Checkpoint(f"{policy} bytes" if isinstance(policy, int) else policy, rung, tuple(evaluated))

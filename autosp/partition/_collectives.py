@@ -8,9 +8,10 @@ sf blocks of B elements, the chunk at this rank's position (``chunks``: balanced
 n does not divide B). Uneven shards gather through padded buffers (as DTensor does) and exchange
 with split sizes; even ones take the reshape-only paths.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -22,7 +23,7 @@ __all__ = ["redistribute", "pad_to"]
 
 
 def _split(shape: list[int], d: int, parts: list[int]) -> list[int]:
-    return shape[:d] + parts + shape[d + 1:]
+    return shape[:d] + parts + shape[d + 1 :]
 
 
 def _even(cs: list[int]) -> bool:
@@ -76,8 +77,9 @@ def _reduce_scatter(x: torch.Tensor, d: int, sf: int, n: int, rank: int, group) 
     return y.reshape(_split(shape, d, [sf * cs[rank]]))
 
 
-def _all_to_all(x: torch.Tensor, a: int, sfa: int, b: int, sfb: int, n: int, rank: int, group,
-                block_a: int) -> torch.Tensor:
+def _all_to_all(
+    x: torch.Tensor, a: int, sfa: int, b: int, sfb: int, n: int, rank: int, group, block_a: int
+) -> torch.Tensor:
     """Sharded on dim a (sfa) -> sharded on dim b (sfb): split b's blocks over the ranks, exchange,
     and put each source rank's piece of dim a in its place."""
     shape = list(x.shape)
@@ -104,8 +106,9 @@ def _all_to_all(x: torch.Tensor, a: int, sfa: int, b: int, sfb: int, n: int, ran
     return torch.cat(pieces, dim=a + 1).reshape(_split(mids[0], a, [sfa * block_a]))
 
 
-def redistribute(x: torch.Tensor, src: Placement, dst: Placement, n: int, rank: int, group,
-                 global_shape: Sequence[int]) -> torch.Tensor:
+def redistribute(
+    x: torch.Tensor, src: Placement, dst: Placement, n: int, rank: int, group, global_shape: Sequence[int]
+) -> torch.Tensor:
     """``x``, this rank's part of a tensor of ``global_shape`` placed as ``src``, placed as ``dst``."""
     kind = redistribute_kind(src, dst)
     s, d = shard_spec(src), shard_spec(dst)

@@ -10,6 +10,7 @@ so at most a layer's full parameters are alive at a time (ZeRO-3). Shards follow
 ``Shard(d)`` layout (``torch.chunk``: ranks hold ceil(size / world) rows, the last ones fewer or
 none), which is what ``fully_shard`` leaves on the module.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -24,8 +25,18 @@ from ..propagate._placement import P, R
 from ..propagate._strategy import Strategy, rule
 from ._collectives import pad_to
 
-__all__ = ["GatherArgs", "fsdp_gather", "fsdp_reduce", "gathers_at_first_use", "fsdp_tags", "fsdp_notes", "fsdp_reduce_call",
-           "GATHER", "REDUCE", "FSDP_OPS"]
+__all__ = [
+    "GatherArgs",
+    "fsdp_gather",
+    "fsdp_reduce",
+    "gathers_at_first_use",
+    "fsdp_tags",
+    "fsdp_notes",
+    "fsdp_reduce_call",
+    "GATHER",
+    "REDUCE",
+    "FSDP_OPS",
+]
 
 
 class GatherArgs(NamedTuple):
@@ -47,8 +58,18 @@ def _waited(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("autosp::fsdp_gather", mutates_args=())
-def fsdp_gather(shard: torch.Tensor, dim: int, size: int, world: int, outer: str, divide: int, reshard: bool,
-                dtype: torch.dtype, reduce_dtype: torch.dtype, group: str) -> torch.Tensor:
+def fsdp_gather(
+    shard: torch.Tensor,
+    dim: int,
+    size: int,
+    world: int,
+    outer: str,
+    divide: int,
+    reshard: bool,
+    dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    group: str,
+) -> torch.Tensor:
     """The full parameter (``size`` along ``dim``) from every rank's shard, in ``dtype`` (FSDP2's
     ``param_dtype``: the shard is cast before the gather, as FSDP2 does). ``outer``, ``divide``,
     ``reduce_dtype`` and ``reshard`` are for the gradient and the checkpointing pass."""
@@ -66,8 +87,17 @@ def _(shard, dim, size, world, outer, divide, reshard, dtype, reduce_dtype, grou
 
 
 @torch.library.custom_op("autosp::fsdp_reduce", mutates_args=())
-def fsdp_reduce(grad: torch.Tensor, dim: int, local: int, world: int, outer: str, divide: int,
-                reduce_dtype: torch.dtype, out_dtype: torch.dtype, group: str) -> torch.Tensor:
+def fsdp_reduce(
+    grad: torch.Tensor,
+    dim: int,
+    local: int,
+    world: int,
+    outer: str,
+    divide: int,
+    reduce_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    group: str,
+) -> torch.Tensor:
     """This rank's shard (``local`` rows along ``dim``) of the sum over every rank of ``grad``
     (each rank's contribution), divided by ``divide`` (the dp replicas: DDP's mean): summed in
     ``reduce_dtype`` over the FSDP group by a reduce-scatter, then over ``outer`` (the ranks that
@@ -162,6 +192,8 @@ def fsdp_notes(joint: fx.GraphModule) -> list[str]:
     full = sum(nbytes(out_vals(nd)[0]) for nd in nodes)
     worlds = sorted({g["world"] for g in gathers})
     again = sum(bool(g["reshard"]) for g in gathers)
-    return [f"FSDP2: {len(nodes)} parameters ({full / 2**20:.1f} MiB in full) sharded over {worlds} ranks: each "
-            f"gathered before its first use in the forward, {again} of them again in the backward (their modules "
-            "reshard after forward), gradients reduce-scattered"]
+    return [
+        f"FSDP2: {len(nodes)} parameters ({full / 2**20:.1f} MiB in full) sharded over {worlds} ranks: each "
+        f"gathered before its first use in the forward, {again} of them again in the backward (their modules "
+        "reshard after forward), gradients reduce-scattered"
+    ]

@@ -15,6 +15,7 @@ is what lets Ulysses split the heads), and the repeated K/V feed nothing but the
 When the gradient chain is not the exact mirror of the repeat, only the forward is folded and the
 backward keeps the repeated K/V.
 """
+
 from __future__ import annotations
 
 import operator
@@ -22,7 +23,9 @@ import operator
 import torch
 import torch.fx as fx
 
-from .._graph import SDPA_CPU as _FWD, SDPA_CPU_BACKWARD as _BWD, out_vals
+from .._graph import SDPA_CPU as _FWD
+from .._graph import SDPA_CPU_BACKWARD as _BWD
+from .._graph import out_vals
 from ..errors import source_line
 
 __all__ = ["fold_kv_repeats"]
@@ -67,11 +70,18 @@ def _summed(grad: fx.Node, rep: int) -> fx.Node | None:
     """The end of the repeat's gradient chain view(B, KV, rep, S, D) -> sum(2, keepdim) -> squeeze(2)
     hanging alone off ``grad``, or None."""
     chain = [grad]
-    for ok in (lambda n: n.target in _VIEWS and out_vals(n)[0] is not None and out_vals(n)[0].ndim == 5
-               and out_vals(n)[0].shape[2] == rep,
-               lambda n: (n.target is aten.sum.dim_IntList and [a % 5 for a in n.args[1]] == [2]
-                          and len(n.args) > 2 and n.args[2]),
-               lambda n: n.target is aten.squeeze.dim and _dim(n, 1, 5) == 2):
+    for ok in (
+        lambda n: (
+            n.target in _VIEWS
+            and out_vals(n)[0] is not None
+            and out_vals(n)[0].ndim == 5
+            and out_vals(n)[0].shape[2] == rep
+        ),
+        lambda n: (
+            n.target is aten.sum.dim_IntList and [a % 5 for a in n.args[1]] == [2] and len(n.args) > 2 and n.args[2]
+        ),
+        lambda n: n.target is aten.squeeze.dim and _dim(n, 1, 5) == 2,
+    ):
         if len(chain[-1].users) != 1:
             return None
         nxt = next(iter(chain[-1].users))
@@ -118,11 +128,16 @@ def fold_kv_repeats(gm: fx.GraphModule, n: int) -> list[str]:
                 prev = x.args[0]
                 g.erase_node(x)
                 x = prev
-        notes.append(f"attention at {source_line(fwd)}: K/V repeated {rep}x before it are handed to the kernel "
-                     f"unrepeated (grouped-query attention, {out_vals(ks)[0].shape[1]} K/V heads): the repeated K/V "
-                     + ("and their gradients are never built" if not kept else
-                        "are not built in the forward; the backward rebuilds them (its gradient chain is not the "
-                        "repeat's mirror)"))
+        notes.append(
+            f"attention at {source_line(fwd)}: K/V repeated {rep}x before it are handed to the kernel "
+            f"unrepeated (grouped-query attention, {out_vals(ks)[0].shape[1]} K/V heads): the repeated K/V "
+            + (
+                "and their gradients are never built"
+                if not kept
+                else "are not built in the forward; the backward rebuilds them (its gradient chain is not the "
+                "repeat's mirror)"
+            )
+        )
     if notes:
         g.lint()
         gm.recompile()

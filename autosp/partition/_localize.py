@@ -10,6 +10,7 @@ rank's query rows). ``localize`` composes, in one trace, the interpreter, the ti
 along the sequence when one is given (``_tiling``), and the outputs placed as one device returns
 them (``_outputs``: gradients summed over sp, averaged over dp).
 """
+
 from __future__ import annotations
 
 import operator
@@ -49,8 +50,9 @@ class Localizer(fx.Interpreter):
     """Runs the global joint graph on this rank's shards (see the module docstring); with a
     ``tiling``, its ops run tile by tile (``_tiling.TileRunner``)."""
 
-    def __init__(self, joint: fx.GraphModule, plan: dict[fx.Node, Strategy], ctx: SpContext,
-                 tiling: Tiling | None = None):
+    def __init__(
+        self, joint: fx.GraphModule, plan: dict[fx.Node, Strategy], ctx: SpContext, tiling: Tiling | None = None
+    ):
         super().__init__(joint, garbage_collect_values=False)
         self.extra_traceback = False  # autosp's errors say where they come from
         self.plan, self.ctx = plan, ctx
@@ -63,7 +65,9 @@ class Localizer(fx.Interpreter):
         # the checkpointing pass reads it
         with fx.traceback.set_current_meta(nd):
             if nd.op == "call_function":
-                return self.call(nd, [self.redistributed(u, i, q) for (u, i), q in zip(tensor_inputs(nd), self.plan[nd].ins)])
+                return self.call(
+                    nd, [self.redistributed(u, i, q) for (u, i), q in zip(tensor_inputs(nd), self.plan[nd].ins)]
+                )
             if nd.op == "output":  # the outputs as planned; ``_outputs`` places them
                 return tree_map(lambda a: self.value(a, 0) if isinstance(a, fx.Node) else a, nd.args[0])
             return super().run_node(nd)
@@ -103,9 +107,12 @@ class Localizer(fx.Interpreter):
             return target(*args, **kwargs)
         except Exception as e:
             shapes = [tuple(t.shape) for t in local]
-            raise PlanError(nd, f"the per-rank op failed ({type(e).__name__}: {e}) with local input shapes "
-                            f"{shapes}, input placements {[str(q) for q in s.ins]}, output {[str(o) for o in s.outs]}",
-                            "this is an autosp bug in the op's sharding rule; please report it with this message") from e
+            raise PlanError(
+                nd,
+                f"the per-rank op failed ({type(e).__name__}: {e}) with local input shapes "
+                f"{shapes}, input placements {[str(q) for q in s.ins]}, output {[str(o) for o in s.outs]}",
+                "this is an autosp bug in the op's sharding rule; please report it with this message",
+            ) from e
 
     def _arguments(self, nd: fx.Node, local: list):
         """The node's arguments with its tensor inputs replaced by ``local`` (in order)."""
@@ -119,8 +126,15 @@ class Localizer(fx.Interpreter):
         return tree_map(sub, nd.args), tree_map(sub, nd.kwargs)
 
 
-def localize(joint: fx.GraphModule, choice: Choice, joint_inputs, ctx: SpContext, *, num_fwd_outputs: int,
-             tiling: Tiling | None = None) -> fx.GraphModule:
+def localize(
+    joint: fx.GraphModule,
+    choice: Choice,
+    joint_inputs,
+    ctx: SpContext,
+    *,
+    num_fwd_outputs: int,
+    tiling: Tiling | None = None,
+) -> fx.GraphModule:
     """The per-rank joint graph of ``joint`` under the plan ``choice``: its ops on this rank's
     shards (tiled along the sequence with ``tiling``), its outputs as one device's."""
     plan = choice.strategy

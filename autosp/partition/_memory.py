@@ -14,6 +14,7 @@ graphs traced at any size without allocating anything. Workspace inside an op (a
 packing buffers, attention's blocks) is not seen, except ring attention's (``RING_WORKSPACE``,
 measured), nor Inductor's fusions, which only remove intermediates.
 """
+
 from __future__ import annotations
 
 import operator
@@ -47,9 +48,11 @@ class MemoryEstimate:
 
     def __str__(self) -> str:
         mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
-        return (f"predicted peak memory per rank: {mib(self.peak)} beyond parameters ({mib(self.params)}) "
-                f"and optimizer state; saved activations {mib(self.saved)}, gradients {mib(self.grads)}, "
-                f"forward peak {mib(self.forward_peak)}, backward peak {mib(self.backward_peak)}")
+        return (
+            f"predicted peak memory per rank: {mib(self.peak)} beyond parameters ({mib(self.params)}) "
+            f"and optimizer state; saved activations {mib(self.saved)}, gradients {mib(self.grads)}, "
+            f"forward peak {mib(self.forward_peak)}, backward peak {mib(self.backward_peak)}"
+        )
 
 
 def _nbytes(v) -> int:
@@ -73,8 +76,11 @@ def _aliased_input(nd: fx.Node) -> fx.Node | None:
         return None
     alias_set = schema.returns[0].alias_info.before_set  # empty for a list return: Tensor(a)[]
     for arg, a in zip(schema.arguments, nd.args):
-        if isinstance(a, fx.Node) and arg.alias_info is not None and (
-                not alias_set or arg.alias_info.before_set & alias_set):
+        if (
+            isinstance(a, fx.Node)
+            and arg.alias_info is not None
+            and (not alias_set or arg.alias_info.before_set & alias_set)
+        ):
             return a
     return None
 

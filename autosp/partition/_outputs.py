@@ -7,6 +7,7 @@ then divided by dp; a replicated one is all-reduced over dp. Gradient all-reduce
 buckets of up to 25 MiB (DDP's), one collective and one rank-to-rank sync per bucket instead of
 per parameter. FSDP2's gradients leave ``autosp::fsdp_reduce`` already reduced into their shards.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -49,8 +50,14 @@ def output_specs(joint: fx.GraphModule, plan: dict[fx.Node, Strategy], num_fwd_o
         p, v = plan[a].outs[0], out_vals(a)[0]
         gradient = k >= num_fwd_outputs
         floating = isinstance(v, torch.Tensor) and v.is_floating_point()
-        specs.append(Output(p, tuple(v.shape) if v is not None else (), gradient,
-                            gradient and (p == P or (a.target is not REDUCE and floating))))
+        specs.append(
+            Output(
+                p,
+                tuple(v.shape) if v is not None else (),
+                gradient,
+                gradient and (p == P or (a.target is not REDUCE and floating)),
+            )
+        )
     return specs
 
 
@@ -76,6 +83,7 @@ def _bucketed_all_reduce(tensors: list[torch.Tensor], group) -> list[torch.Tenso
 
 def place_outputs(values, specs: list[Output | None], ctx: SpContext):
     """``values`` (the joint graph's outputs on this rank, as planned) as one device returns them."""
+
     def replicated(k: int) -> torch.Tensor:
         s = specs[k]
         return redistribute(values[k], s.placement, R, ctx.n, ctx.rank, ctx.group, s.shape)
@@ -86,7 +94,9 @@ def place_outputs(values, specs: list[Output | None], ctx: SpContext):
     else:
         rest = [k for k, s in enumerate(specs) if s is not None and s.dp_mean and k not in partial]
         summed = _bucketed_all_reduce([values[k] for k in partial], ctx.world_group) + _bucketed_all_reduce(
-            [replicated(k) for k in rest], ctx.dp_group)
+            [replicated(k) for k in rest], ctx.dp_group
+        )
         done = {k: t / ctx.dp for k, t in zip(partial + rest, summed)}
-    return type(values)(done[k] if k in done else (replicated(k) if s is not None else values[k])
-                        for k, s in enumerate(specs))
+    return type(values)(
+        done[k] if k in done else (replicated(k) if s is not None else values[k]) for k, s in enumerate(specs)
+    )

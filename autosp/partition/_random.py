@@ -7,6 +7,7 @@ generator (the same on every rank, so the generator stays in step across ranks) 
 mask from a private generator seeded with (that seed, rank). Results are reproducible for a
 given seed and sp size, but are not the single-device masks: see the README.
 """
+
 from __future__ import annotations
 
 import torch

@@ -18,6 +18,7 @@ depend on the rows' place), autosp's own ops, strided shards (a batch flattened 
 sequence), ops with a size argument the tiler does not rewrite, and multi-output ops with a
 ``Partial`` output.
 """
+
 from __future__ import annotations
 
 import operator
@@ -43,8 +44,14 @@ MAX_TILES = 8  # each tiled op appears once per tile in the graph: compile time 
 
 # ops whose argument 1 is an output (or input) shape, rewritten per tile; argument 2 of the
 # *_backward ops is the sliced dim, which must not be the tiled one
-SHAPE_ARG = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
-             aten.slice_backward.default, aten.select_backward.default}
+SHAPE_ARG = {
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.expand.default,
+    aten.slice_backward.default,
+    aten.select_backward.default,
+}
 _DIM_ARG = {aten.slice_backward.default, aten.select_backward.default}
 _SIZE_NAMES = {"size", "sizes", "shape", "stride", "input_size", "input_sizes", "output_size", "self_sizes"}
 
@@ -92,6 +99,29 @@ def _excluded(nd: fx.Node, kernel) -> bool:
     return target not in SHAPE_ARG and _has_size_arg(target)
 
 
+def _candidate(nd: fx.Node, plan, n: int, rank: int) -> tuple[bool, int | None, int | None]:
+    """(tileable, tiled dim (None: a partial sum over the tiles), global length of that dim) of
+    one node on its own, before what its neighbours allow."""
+    if nd.op != "call_function" or nd not in plan or _excluded(nd, plan[nd].kernel):
+        return False, None, None
+    s = plan[nd]
+    ins = tensor_inputs(nd)
+    if not ins or any(redistribute_kind(plan[u].outs[i], q) != "" for (u, i), q in zip(ins, s.ins)):
+        return False, None, None  # no tensor input (a factory), or a collective on an input edge
+    outs = [(p, v) for p, v in zip(s.outs, out_vals(nd)) if v is not None]
+    if not outs:
+        return False, None, None
+    if all(p == P for p, _ in outs):
+        return len(outs) == 1 and (nd.target is operator.getitem or len(out_vals(nd)) == 1), None, None
+    dims = [_seq_dim(p, v.shape, n, rank) for p, v in outs]
+    if any(d is None for d in dims) or len({d for d, _ in dims}) != 1 or len({L for _, L in dims}) != 1:
+        return False, None, None
+    d, _ = dims[0]
+    if nd.target in _DIM_ARG and nd.args[2] % len(outs[0][1].shape) == d:
+        return False, None, None
+    return True, d, outs[0][1].shape[d]
+
+
 def plan_tiles(graph: fx.Graph, plan, ctx: SpContext, tiles: int = MAX_TILES) -> Tiling | None:
     """The ops of ``graph`` (solved ``plan``) that run in tiles along the local sequence (the
     most common sharded length): as many as fit ``MIN_TILE_ROWS`` rows each, at most ``tiles``;
@@ -100,26 +130,11 @@ def plan_tiles(graph: fx.Graph, plan, ctx: SpContext, tiles: int = MAX_TILES) ->
     cand: dict[fx.Node, int | None] = {}
     lengths: dict[fx.Node, int] = {}
     for nd in graph.nodes:
-        if nd.op != "call_function" or nd not in plan or _excluded(nd, plan[nd].kernel):
-            continue
-        s = plan[nd]
-        ins = tensor_inputs(nd)
-        if not ins or any(redistribute_kind(plan[u].outs[i], q) != "" for (u, i), q in zip(ins, s.ins)):
-            continue  # no tensor input (a factory), or a collective on an input edge
-        outs = [(p, v) for p, v in zip(s.outs, out_vals(nd)) if v is not None]
-        if not outs:
-            continue
-        if all(p == P for p, _ in outs):
-            if len(outs) == 1 and (nd.target is operator.getitem or len(out_vals(nd)) == 1):
-                cand[nd] = None
-            continue
-        dims = [_seq_dim(p, v.shape, n, rank) for p, v in outs]
-        if any(d is None for d in dims) or len({d for d, _ in dims}) != 1 or len({L for _, L in dims}) != 1:
-            continue
-        d, _ = dims[0]
-        if nd.target in _DIM_ARG and nd.args[2] % len(outs[0][1].shape) == d:
-            continue
-        cand[nd], lengths[nd] = d, outs[0][1].shape[d]
+        ok, d, length = _candidate(nd, plan, n, rank)
+        if ok:
+            cand[nd] = d
+            if d is not None:
+                lengths[nd] = length
     if not lengths:
         return None
     # the sequence: the most common global length of a sharded dim; the number of tiles from
@@ -148,7 +163,8 @@ def plan_tiles(graph: fx.Graph, plan, ctx: SpContext, tiles: int = MAX_TILES) ->
         for nd in [nd for nd, d in nodes.items() if d is None]:
             ins = list(zip(tensor_inputs(nd), plan[nd].ins))
             ok = all(u in nodes for (u, i), _ in ins if plan[u].outs[i] == P) and any(
-                u in nodes or sharded_input(u, i, q) for (u, i), q in ins)
+                u in nodes or sharded_input(u, i, q) for (u, i), q in ins
+            )
             if not ok:
                 del nodes[nd]
                 changed = True
@@ -198,6 +214,7 @@ class TileRunner:
         summed = {nd for nd in ops if tiled[nd] is None and any(u not in tiled for u in nd.users)}
         sliced: dict[tuple, torch.Tensor] = {}
         for j, (start, rows) in enumerate(zip(self.tiling.starts, self.tiling.sizes)):
+
             def tile(u: fx.Node, i: int, q, j=j, start=start, rows=rows) -> torch.Tensor:
                 if u in tiled:
                     return _item(self.parts[u][j], u, i)

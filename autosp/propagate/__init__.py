@@ -1,5 +1,6 @@
 """Propagation: the sharding rules, the candidates of every node, the whole-graph solver, and
 placement helpers. Importing it registers every rule (``_rules``, ``_attention``, ``_annotate``)."""
+
 from ._annotate import ANNOTATE
 from ._attention import attention_notes, hybrid_bytes, ring_bytes
 from ._placement import local_shape, parse_placement, placement_str, redistribute_kind, transfer_bytes
@@ -8,6 +9,22 @@ from ._rules import strategies_for
 from ._solver import Choice, solve
 from ._strategy import RULES, Strategy, rule
 
-__all__ = ["ANNOTATE", "RULES", "Strategy", "rule", "Candidates", "Choice", "propagate", "solve", "strategies_for",
-           "attention_notes", "ring_bytes", "hybrid_bytes", "local_shape", "parse_placement", "placement_str",
-           "redistribute_kind", "transfer_bytes"]
+__all__ = [
+    "ANNOTATE",
+    "RULES",
+    "Strategy",
+    "rule",
+    "Candidates",
+    "Choice",
+    "propagate",
+    "solve",
+    "strategies_for",
+    "attention_notes",
+    "ring_bytes",
+    "hybrid_bytes",
+    "local_shape",
+    "parse_placement",
+    "placement_str",
+    "redistribute_kind",
+    "transfer_bytes",
+]

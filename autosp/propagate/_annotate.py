@@ -4,10 +4,10 @@
 ``autosp.shard``'s inputs (a permission: the planner may keep them replicated) both become this
 op; its gradient is the same constraint on the cotangent.
 """
+
 from __future__ import annotations
 
 import torch
-
 from torch.distributed.tensor.placement_types import Placement
 
 from ._placement import R, parse_placement, placement_str

@@ -12,6 +12,7 @@ step t it uses K/V chunk (r - t) mod n. Under a causal mask the queries move to 
 runs query half-chunks r and 2n - 1 - r, an early one and a late one), so every rank computes
 about the same number of blocks.
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,8 +26,23 @@ from ..errors import PlanError, source_line
 from ._placement import P, R, can_shard, chunks, offsets, shard, shard_specs
 from ._strategy import Sets, Strategy, provenance, rule
 
-__all__ = ["heads_split", "is_causal", "hybrid_strategies", "ring_bytes", "hybrid_bytes", "attention_notes",
-           "acc_dtype", "bounds", "halves", "zigzag", "zigzag_owner", "blocks", "ranges", "uses", "kv_sends"]
+__all__ = [
+    "heads_split",
+    "is_causal",
+    "hybrid_strategies",
+    "ring_bytes",
+    "hybrid_bytes",
+    "attention_notes",
+    "acc_dtype",
+    "bounds",
+    "halves",
+    "zigzag",
+    "zigzag_owner",
+    "blocks",
+    "ranges",
+    "uses",
+    "kv_sends",
+]
 
 
 def _val(node: fx.Node, idx: int = 0):
@@ -34,11 +50,14 @@ def _val(node: fx.Node, idx: int = 0):
 
 
 def _heads_error(node, heads, kv_heads, n):
-    raise PlanError(node, f"{heads} query heads and {kv_heads} K/V heads (grouped-query attention inside the "
-                    f"attention op) cannot be split over sp={n} ranks: an uneven head split needs each query "
-                    "head's K/V head on the same rank",
-                    "repeat K/V to the query head count before attention (as Hugging Face's repeat_kv does), "
-                    "or use an sp size that divides both head counts")
+    raise PlanError(
+        node,
+        f"{heads} query heads and {kv_heads} K/V heads (grouped-query attention inside the "
+        f"attention op) cannot be split over sp={n} ranks: an uneven head split needs each query "
+        "head's K/V head on the same rank",
+        "repeat K/V to the query head count before attention (as Hugging Face's repeat_kv does), "
+        "or use an sp size that divides both head counts",
+    )
 
 
 def heads_split(q, k, n) -> bool:
@@ -48,7 +67,7 @@ def heads_split(q, k, n) -> bool:
     gets one."""
     H, KV = q.shape[1], k.shape[1]
     # no rank without heads: the CPU attention kernels divide by the head count (SIGFPE)
-    return (H % n == 0 and KV % n == 0) or (H == KV and H >= n)
+    return (H % n == 0 and KV % n == 0) or (H == KV and n <= H)
 
 
 def _seq_attention_ok(node, q, k) -> bool:
@@ -70,6 +89,7 @@ def is_causal(node) -> bool:
 # ---------------------------------------------------------------------------------------------
 # rules
 
+
 def _seq_strategies(node, q, k, v, n, backward: bool) -> list[Strategy]:
     """Sequence-sharded attention, offered wherever it is exact: ring attention, and attention
     against all-gathered K/V (which holds whole K/V on every rank, saved for the backward). The
@@ -81,11 +101,15 @@ def _seq_strategies(node, q, k, v, n, backward: bool) -> list[Strategy]:
     m = (R,) * (len(tensor_inputs(node)) - (6 if backward else 3))  # the mask, if any: whole
     if backward:
         # the gathered K/V's gradients: partial sums over the query shards
-        return [Strategy((s2, s2, s2), (s2,) * 6 + m, kernel=Kernel.RING, comm=bwd),
-                Strategy((s2, P, P), (s2, s2, R, R, s2, s2) + m, kernel=Kernel.KV_GATHER)]
+        return [
+            Strategy((s2, s2, s2), (s2,) * 6 + m, kernel=Kernel.RING, comm=bwd),
+            Strategy((s2, P, P), (s2, s2, R, R, s2, s2) + m, kernel=Kernel.KV_GATHER),
+        ]
     kv = (k.numel() + v.numel()) * k.element_size()
-    return [Strategy((s2, s2), (s2, s2, s2) + m, kernel=Kernel.RING, comm=fwd, held=kv / n),  # one chunk in flight
-            Strategy((s2, s2), (s2, R, R) + m, kernel=Kernel.KV_GATHER, held=kv * (n - 1) / n)]
+    return [
+        Strategy((s2, s2), (s2, s2, s2) + m, kernel=Kernel.RING, comm=fwd, held=kv / n),  # one chunk in flight
+        Strategy((s2, s2), (s2, R, R) + m, kernel=Kernel.KV_GATHER, held=kv * (n - 1) / n),
+    ]
 
 
 def hybrid_strategies(node: fx.Node, A: Sets, n: int, u: int) -> list[Strategy]:
@@ -96,8 +120,13 @@ def hybrid_strategies(node: fx.Node, A: Sets, n: int, u: int) -> list[Strategy]:
     if not fwd and node.target is not SDPA_CPU_BACKWARD:
         return []
     q, k, v = (_val(a) for a in (node.args[:3] if fwd else node.args[1:4]))
-    if (shard(2) not in A[0 if fwd else 1] or not _seq_attention_ok(node, q, k) or q.shape[2] % n
-            or q.shape[1] % u or k.shape[1] % u):
+    if (
+        shard(2) not in A[0 if fwd else 1]
+        or not _seq_attention_ok(node, q, k)
+        or q.shape[2] % n
+        or q.shape[1] % u
+        or k.shape[1] % u
+    ):
         return []
     fwd_bytes, bwd_bytes = hybrid_bytes(q, k, v, n, u, is_causal(node))
     s2 = shard(2)
@@ -135,8 +164,14 @@ def _sdpa_cpu(node, A, n):
                 continue
             if dim == 0 and k.shape[0] != q.shape[0]:
                 continue
-            res.append(Strategy((shard(dim), shard(dim)), (shard(dim),) * 3 + _split_mask(mask, q, dim),
-                                introduces=dim == 1, kernel=Kernel.ULYSSES if dim == 1 else Kernel.BATCH))
+            res.append(
+                Strategy(
+                    (shard(dim), shard(dim)),
+                    (shard(dim),) * 3 + _split_mask(mask, q, dim),
+                    introduces=dim == 1,
+                    kernel=Kernel.ULYSSES if dim == 1 else Kernel.BATCH,
+                )
+            )
     return res
 
 
@@ -151,10 +186,20 @@ def _sdpa_cpu_bwd(node, A, n):
     if shard(2) in A[1]:
         res += _seq_strategies(node, q, k, v, n, backward=True)
     for dim in (1, 0):
-        if (dim == 1 and heads_split(q, k, n)) or (any(shard(dim) in A[j] for j in range(6)) and dim == 0
-                                                    and can_shard(q.shape[0], 1, n) and can_shard(k.shape[0], 1, n)):
-            res.append(Strategy((shard(dim),) * 3, (shard(dim),) * 6 + _split_mask(mask, q, dim),
-                                introduces=dim == 1, kernel=Kernel.ULYSSES if dim == 1 else Kernel.BATCH))
+        if (dim == 1 and heads_split(q, k, n)) or (
+            any(shard(dim) in A[j] for j in range(6))
+            and dim == 0
+            and can_shard(q.shape[0], 1, n)
+            and can_shard(k.shape[0], 1, n)
+        ):
+            res.append(
+                Strategy(
+                    (shard(dim),) * 3,
+                    (shard(dim),) * 6 + _split_mask(mask, q, dim),
+                    introduces=dim == 1,
+                    kernel=Kernel.ULYSSES if dim == 1 else Kernel.BATCH,
+                )
+            )
     return res
 
 
@@ -175,6 +220,7 @@ def _sdpa_seq(node, A, n):
 
 # ---------------------------------------------------------------------------------------------
 # the ring's schedule (shared with the kernels in partition._attention)
+
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype partial results are merged in: fp32 at least (as the kernels accumulate)."""
@@ -242,6 +288,7 @@ def kv_sends(S: int, n: int, rank: int, t: int, causal: bool) -> bool:
 # ---------------------------------------------------------------------------------------------
 # what the kernels send
 
+
 def ring_bytes(q, k, v, n: int, causal: bool) -> tuple[float, float]:
     """Bytes a rank sends (averaged over the ranks) in ring attention's forward and backward, for
     q, k, v of global shapes, following the kernels' schedule: the K/V chunks n - 1 times each way,
@@ -274,8 +321,13 @@ def hybrid_bytes(q, k, v, n: int, u: int, causal: bool) -> tuple[float, float]:
     item, acc = q.element_size(), acc_dtype(q.dtype).itemsize
     B, H, S, D = q.shape
     frac = (u - 1) / u / n
-    qb, kb, vb, ob, lb = (q.numel() * item, k.numel() * item, v.numel() * item, B * H * S * v.shape[3] * item,
-                          B * H * S * acc)
+    qb, kb, vb, ob, lb = (
+        q.numel() * item,
+        k.numel() * item,
+        v.numel() * item,
+        B * H * S * v.shape[3] * item,
+        B * H * S * acc,
+    )
 
     def sub(x):
         return x.shape[0], x.shape[1] // u, *x.shape[2:]
@@ -289,6 +341,7 @@ def hybrid_bytes(q, k, v, n: int, u: int, causal: bool) -> tuple[float, float]:
 # ---------------------------------------------------------------------------------------------
 # what explain says
 
+
 def _note(nd: fx.Node, s: Strategy, n: int) -> str | None:
     q, k = _val(nd.args[0]), _val(nd.args[1])
     H, KV = q.shape[1], k.shape[1]
@@ -296,24 +349,34 @@ def _note(nd: fx.Node, s: Strategy, n: int) -> str | None:
     heads = f"{H} query / {KV} K/V heads" + ("" if heads_split(q, k, n) else f" do not split over sp={n}")
     if s.kernel == Kernel.ULYSSES:
         if H % n:
-            return (f"{where}: {H} heads split unevenly over sp={n} (heads per rank {chunks(H, n)}); "
-                    "the ranks with more heads set the pace of attention")
+            return (
+                f"{where}: {H} heads split unevenly over sp={n} (heads per rank {chunks(H, n)}); "
+                "the ranks with more heads set the pace of attention"
+            )
         return None
     if s.kernel == Kernel.BATCH:
         return f"{where}: split over the batch ({q.shape[0]} sequences) instead of the heads"
     if s.kernel == Kernel.KV_GATHER:
-        return (f"{where}: {heads}: the query stays sequence-sharded and K/V are all-gathered (their "
-                "gradients reduce-scattered)")
+        return (
+            f"{where}: {heads}: the query stays sequence-sharded and K/V are all-gathered (their "
+            "gradients reduce-scattered)"
+        )
     if s.kernel == Kernel.RING:
-        return (f"{where}: {heads}: ring attention, the query stays sequence-sharded and K/V chunks pass "
-                f"around the ranks ({s.comm / 2**20:.3f} MiB sent per rank in the forward)"
-                + (", causal work balanced by a zigzag of query half-chunks" if is_causal(nd) else ""))
+        return (
+            f"{where}: {heads}: ring attention, the query stays sequence-sharded and K/V chunks pass "
+            f"around the ranks ({s.comm / 2**20:.3f} MiB sent per rank in the forward)"
+            + (", causal work balanced by a zigzag of query half-chunks" if is_causal(nd) else "")
+        )
     if s.kernel == Kernel.HYBRID:
-        return (f"{where}: {heads}: hybrid attention, all-to-alls within sp sub-groups and a ring across "
-                f"them ({s.comm / 2**20:.3f} MiB sent per rank in the forward)")
-    why = f"{H} query heads < sp={n}" if H < n else f"{H} query / {KV} K/V heads do not split over sp={n}"
-    return (f"{where}: not Ulysses ({why}); it runs on inputs placed {s.ins[0]} (Q), {s.ins[1]} (K), "
-            f"{s.ins[2]} (V): see the all-gathers above")
+        return (
+            f"{where}: {heads}: hybrid attention, all-to-alls within sp sub-groups and a ring across "
+            f"them ({s.comm / 2**20:.3f} MiB sent per rank in the forward)"
+        )
+    why = f"{H} query heads < sp={n}" if n > H else f"{H} query / {KV} K/V heads do not split over sp={n}"
+    return (
+        f"{where}: not Ulysses ({why}); it runs on inputs placed {s.ins[0]} (Q), {s.ins[1]} (K), "
+        f"{s.ins[2]} (V): see the all-gathers above"
+    )
 
 
 def attention_notes(gm: fx.GraphModule, plan: dict[fx.Node, Strategy], n: int) -> list[str]:

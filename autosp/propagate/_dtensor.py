@@ -1,4 +1,5 @@
 """Fallback rule source: DTensor's registered op strategies, for ops autosp has no rule of its own."""
+
 from __future__ import annotations
 
 import torch

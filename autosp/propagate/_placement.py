@@ -10,18 +10,32 @@ A block that does not divide by the number of ranks is split unevenly, balanced:
 DTensor's own uneven layout (torch.chunk: 3 and 2, or 1, 1, 1, 0) differs only in which ranks
 are short; the balanced split keeps every rank busy when the length is just over a multiple of n.
 """
+
 from __future__ import annotations
 
 import itertools
 import re
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 __all__ = [
-    "R", "P", "shard", "shard_spec", "shard_specs", "is_shard", "local_shape", "can_shard", "chunks", "offsets",
-    "is_even", "redistribute_kind", "transfer_bytes", "placement_str", "parse_placement",
+    "R",
+    "P",
+    "shard",
+    "shard_spec",
+    "shard_specs",
+    "is_shard",
+    "local_shape",
+    "can_shard",
+    "chunks",
+    "offsets",
+    "is_even",
+    "redistribute_kind",
+    "transfer_bytes",
+    "placement_str",
+    "parse_placement",
 ]
 
 R = Replicate()

@@ -7,6 +7,7 @@ a sharding (``_justified``): plans stay sequence-parallel and never drift into t
 Alongside, ``seq`` tracks along which placements each value carries the annotated sequence
 (provenance, not sizes): the solver weighs those bytes as at long context.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -64,8 +65,15 @@ def _seq_carrying(node: fx.Node, seq_in: list[frozenset], ctx: SpContext) -> lis
     strats = strategies_for(node, [sq | {R} for sq in seq_in], ctx.n, ctx.mesh, provenance=True) or []
     out = []
     for i, v in enumerate(out_vals(node)):
-        out.append(frozenset(s.outs[i] for s in strats if v is not None and is_shard(s.outs[i])
-                             and any(is_shard(q) and q in seq_in[j] for j, q in enumerate(s.ins))))
+        out.append(
+            frozenset(
+                s.outs[i]
+                for s in strats
+                if v is not None
+                and is_shard(s.outs[i])
+                and any(is_shard(q) and q in seq_in[j] for j, q in enumerate(s.ins))
+            )
+        )
     return out
 
 
@@ -86,11 +94,14 @@ def _forced(node: fx.Node, strats: list[Strategy], attention: str) -> list[Strat
     kept = [s for s in strats if s.kernel == attention]
     if not kept:
         have = sorted({str(s.kernel) for s in strats if s.kernel})
-        raise PlanError(node, f"attention={attention!r} cannot run this attention op exactly (it can run as {have}); "
-                        "ring and kv_gather need self-attention without dropout, ulysses needs head counts that "
-                        "split over the ranks, hybrid a 2D sp mesh (autosp.mesh(ulysses=...)) whose sub-groups "
-                        "split the head counts, and a length that splits evenly over the ranks",
-                        f"use attention='auto' or one of {have}")
+        raise PlanError(
+            node,
+            f"attention={attention!r} cannot run this attention op exactly (it can run as {have}); "
+            "ring and kv_gather need self-attention without dropout, ulysses needs head counts that "
+            "split over the ranks, hybrid a 2D sp mesh (autosp.mesh(ulysses=...)) whose sub-groups "
+            "split the head counts, and a length that splits evenly over the ranks",
+            f"use attention='auto' or one of {have}",
+        )
     return kept
 
 
@@ -154,11 +165,21 @@ def _wants(gm: fx.GraphModule, c: Candidates, ctx: SpContext) -> dict:
         if node.op != "call_function":
             continue
         ins = tensor_inputs(node)
-        for i, v in enumerate(out_vals(node)):
+        for i in range(len(out_vals(node))):
             for p in sorted(wanted.get((node, i), ()), key=str):
                 sfs = {1} | ({shard_spec(p)[1]} if is_shard(p) else set())
-                A = [frozenset([R, P] + [shard(d, sf) for d in range(out_vals(u)[j].ndim) for sf in sorted(sfs)
-                                         if can_shard(out_vals(u)[j].shape[d], sf, n)]) for u, j in ins]
+                A = [
+                    frozenset(
+                        [R, P]
+                        + [
+                            shard(d, sf)
+                            for d in range(out_vals(u)[j].ndim)
+                            for sf in sorted(sfs)
+                            if can_shard(out_vals(u)[j].shape[d], sf, n)
+                        ]
+                    )
+                    for u, j in ins
+                ]
                 for s in strategies_for(node, A, n, ctx.mesh) or []:
                     if s.outs[i] == p:
                         for key, q in zip(ins, s.ins):

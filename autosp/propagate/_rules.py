@@ -9,19 +9,22 @@ exactness or bytes for SP: views that flatten a sharded dim behind another (DTen
 ``_StridedShard`` that its matmul strategies cannot consume), and matmuls/reductions that must
 understand strided shards.
 """
+
 from __future__ import annotations
 
 import math
 import operator
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.fx as fx
 
 from .._graph import out_vals, tensor_inputs
 from ._dtensor import dtensor_strategies
-from ._placement import P, R, can_shard, is_even, shard, shard_spec, shard_specs as _shards
-from ._strategy import PROVENANCE, RULES, Sets, Strategy, dedup as _dedup, provenance, rule
+from ._placement import P, R, can_shard, is_even, shard, shard_spec
+from ._placement import shard_specs as _shards
+from ._strategy import PROVENANCE, RULES, Sets, Strategy, provenance, rule
+from ._strategy import dedup as _dedup
 
 __all__ = ["strategies_for", "VIEW_OPS"]
 
@@ -31,11 +34,19 @@ aten = torch.ops.aten
 def _val(node: fx.Node, idx: int = 0):
     return out_vals(node)[idx]
 
+
+def _each_out(node: fx.Node, p) -> tuple:
+    """``p`` for every tensor output of ``node`` (None for the others)."""
+    return tuple(p if v is not None else None for v in out_vals(node))
+
+
 # ---------------------------------------------------------------------------------------------
 # dim maps: ops whose output dims are input dims moved around (views, transposes, copies)
 
-def _dim_map_rule(node: fx.Node, A: Sets, n: int, dim_map: list[int | None], *, linear=True,
-                  blocked: Iterable[int] = ()) -> list[Strategy]:
+
+def _dim_map_rule(
+    node: fx.Node, A: Sets, n: int, dim_map: list[int | None], *, linear=True, blocked: Iterable[int] = ()
+) -> list[Strategy]:
     """Output dim e comes from input dim ``dim_map[e]`` (None: a new or broadcast dim);
     ``blocked`` input dims cannot stay sharded."""
     inv = {d: e for e, d in enumerate(dim_map) if d is not None}
@@ -49,8 +60,14 @@ def _dim_map_rule(node: fx.Node, A: Sets, n: int, dim_map: list[int | None], *, 
     return _dedup(res)
 
 
-@rule(aten.alias.default, aten.detach.default, aten.clone.default, aten._to_copy.default,
-      aten.lift_fresh_copy.default, aten.contiguous.default)
+@rule(
+    aten.alias.default,
+    aten.detach.default,
+    aten.clone.default,
+    aten._to_copy.default,
+    aten.lift_fresh_copy.default,
+    aten.contiguous.default,
+)
 def _identity(node, A, n):
     return _dim_map_rule(node, A, n, list(range(_val(node).ndim)))
 
@@ -104,18 +121,28 @@ def _view_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[list[int]
     while i < len(src) or j < len(dst):
         gi, gj, pi, pj = [], [], 1, 1
         if i < len(src):
-            gi.append(i); pi *= src[i]; i += 1
+            gi.append(i)
+            pi *= src[i]
+            i += 1
         if j < len(dst):
-            gj.append(j); pj *= dst[j]; j += 1
+            gj.append(j)
+            pj *= dst[j]
+            j += 1
         while pi != pj:
             if pi < pj:
-                gi.append(i); pi *= src[i]; i += 1
+                gi.append(i)
+                pi *= src[i]
+                i += 1
             else:
-                gj.append(j); pj *= dst[j]; j += 1
+                gj.append(j)
+                pj *= dst[j]
+                j += 1
         while i < len(src) and src[i] == 1 and (j >= len(dst) or dst[j] != 1):
-            gi.append(i); i += 1
+            gi.append(i)
+            i += 1
         while j < len(dst) and dst[j] == 1 and (i >= len(src) or src[i] != 1):
-            gj.append(j); j += 1
+            gj.append(j)
+            j += 1
         groups.append((gi, gj))
     return groups
 
@@ -178,8 +205,7 @@ def _elementwise(node: fx.Node, A: Sets, n: int, *, blocked_out: Iterable[int] =
         d = e - (k - t.ndim)
         return d if d >= 0 and t.shape[d] == out.shape[e] and out.shape[e] != 1 else None
 
-    mk_out = lambda p: tuple(p if v is not None else None for v in out_vals(node))
-    res = [Strategy(mk_out(R), tuple(R for _ in ins))]
+    res = [Strategy(_each_out(node, R), tuple(R for _ in ins))]
     cands = set()
     for j, t in enumerate(ins):
         for d, sf in _shards(A[j]):
@@ -191,19 +217,19 @@ def _elementwise(node: fx.Node, A: Sets, n: int, *, blocked_out: Iterable[int] =
         for t in ins:
             d = in_dim(t, e)
             req.append(shard(d, sf) if d is not None else R)
-        res.append(Strategy(mk_out(shard(e, sf)), tuple(req)))
+        res.append(Strategy(_each_out(node, shard(e, sf)), tuple(req)))
     op = node.target
     nt = len(ins)
     if op in _LINEAR_ALL and nt == 2 and all(P in a for a in A):
-        res.append(Strategy(mk_out(P), (P, P)))
+        res.append(Strategy(_each_out(node, P), (P, P)))
     elif op in _LINEAR_UNARY and nt == 1 and P in A[0]:
-        res.append(Strategy(mk_out(P), (P,)))
+        res.append(Strategy(_each_out(node, P), (P,)))
     elif op is aten.mul.Tensor and nt == 2:
         for j in range(2):
             if P in A[j]:
-                res.append(Strategy(mk_out(P), tuple(P if x == j else R for x in range(2))))
+                res.append(Strategy(_each_out(node, P), tuple(P if x == j else R for x in range(2))))
     elif op is aten.div.Tensor and nt >= 1 and P in A[0] and node.args[0] is tensor_inputs(node)[0][0]:
-        res.append(Strategy(mk_out(P), (P,) + tuple(R for _ in ins[1:])))
+        res.append(Strategy(_each_out(node, P), (P,) + tuple(R for _ in ins[1:])))
     return _dedup(res)
 
 
@@ -237,6 +263,7 @@ def _like(node, A, n):
 # ---------------------------------------------------------------------------------------------
 # reductions
 
+
 def _reduce_dims(node: fx.Node) -> tuple[set[int], bool]:
     x = _val(node.args[0])
     dims = node.args[1] if len(node.args) > 1 else None
@@ -244,24 +271,26 @@ def _reduce_dims(node: fx.Node) -> tuple[set[int], bool]:
         dims = list(range(x.ndim))
     if isinstance(dims, int):
         dims = [dims]
-    keep = bool(node.args[2]) if len(node.args) > 2 and isinstance(node.args[2], bool) else bool(node.kwargs.get("keepdim", False))
+    keep = (
+        bool(node.args[2])
+        if len(node.args) > 2 and isinstance(node.args[2], bool)
+        else bool(node.kwargs.get("keepdim", False))
+    )
     return {d % max(x.ndim, 1) for d in dims}, keep
 
 
 def _reduction(node, A, n, *, linear: bool):
     dims, keep = _reduce_dims(node)
-    outs = out_vals(node)
-    mk = lambda p: tuple(p if v is not None else None for v in outs)
-    res = [Strategy(mk(R), (R,))]
+    res = [Strategy(_each_out(node, R), (R,))]
     if linear and P in A[0]:
-        res.append(Strategy(mk(P), (P,)))
+        res.append(Strategy(_each_out(node, P), (P,)))
     for d, sf in _shards(A[0]):
         if d in dims:
             if linear:
-                res.append(Strategy(mk(P), (shard(d, sf),)))
+                res.append(Strategy(_each_out(node, P), (shard(d, sf),)))
         else:
             e = d if keep else d - sum(1 for r in dims if r < d)
-            res.append(Strategy(mk(shard(e, sf)), (shard(d, sf),)))
+            res.append(Strategy(_each_out(node, shard(e, sf)), (shard(d, sf),)))
     return _dedup(res)
 
 
@@ -270,8 +299,17 @@ def _sum(node, A, n):
     return _reduction(node, A, n, linear=True)
 
 
-@rule(aten.amax.default, aten.amin.default, aten.max.dim, aten.min.dim, aten.argmax.default,
-      aten.argmin.default, aten.any.dim, aten.all.dim, aten.prod.dim_int)
+@rule(
+    aten.amax.default,
+    aten.amin.default,
+    aten.max.dim,
+    aten.min.dim,
+    aten.argmax.default,
+    aten.argmin.default,
+    aten.any.dim,
+    aten.all.dim,
+    aten.prod.dim_int,
+)
 def _reduce_nonlinear(node, A, n):
     return _reduction(node, A, n, linear=False)
 
@@ -308,6 +346,7 @@ def _layer_norm_bwd(node, A, n):
 # ---------------------------------------------------------------------------------------------
 # contractions, as einsums over dim labels
 
+
 def _einsum(node, A, n, in_labels: list[str], out_labels: str, *, partial_ok=True) -> list[Strategy]:
     res = [Strategy((R,), tuple(R for _ in in_labels))]
     cands = set()
@@ -315,7 +354,7 @@ def _einsum(node, A, n, in_labels: list[str], out_labels: str, *, partial_ok=Tru
         for d, sf in _shards(A[j]):
             cands.add((labels[d], sf))
     for lab, sf in sorted(cands):
-        req = tuple(shard(l.index(lab), sf) if lab in l else R for l in in_labels)
+        req = tuple(shard(labels.index(lab), sf) if lab in labels else R for labels in in_labels)
         if lab in out_labels:
             res.append(Strategy((shard(out_labels.index(lab), sf),), req))
         elif partial_ok:
@@ -351,7 +390,7 @@ def _bmm(node, A, n):
 @rule(aten.addmm.default)
 def _addmm(node, A, n):
     bias = _val(node.args[0])
-    bl = "mn"[2 - bias.ndim:] if bias.ndim else ""
+    bl = "mn"[2 - bias.ndim :] if bias.ndim else ""
     strats = _einsum(node, A, n, [bl, "mk", "kn"], "mn", partial_ok=False)
     out = []
     for s in strats:  # a broadcast bias dim (size 1) stays replicated
@@ -363,6 +402,7 @@ def _addmm(node, A, n):
 
 # ---------------------------------------------------------------------------------------------
 # indexing
+
 
 @rule(aten.embedding.default)
 def _embedding(node, A, n):
@@ -428,7 +468,7 @@ def _full_slice(size: int, start, end, step) -> bool:
 @rule(aten.slice.Tensor)
 def _slice(node, A, n):
     x = _val(node.args[0])
-    args = list(node.args) + [0, None, None, 1][len(node.args) - 1:]
+    args = list(node.args) + [0, None, None, 1][len(node.args) - 1 :]
     dim, start, end, step = args[1] % x.ndim, args[2], args[3], args[4]
     blocked = [] if _full_slice(x.shape[dim], start, end, step) else [dim]
     return _dim_map_rule(node, A, n, list(range(x.ndim)), blocked=blocked)
@@ -469,9 +509,11 @@ def _cat(node, A, n):
         j = nonempty[0]
         # the empty inputs take the same placement (a free slice of nothing), so that their other
         # dims match x's local ones (partial rotary: cat([rotated, pass_through[..., :0]], -1))
-        return [Strategy((p,), tuple(p if vals[x].ndim == out.ndim else R for x in range(k)))
-                for p in [R] + sorted((q for q in A[j] if q != R), key=str)
-                if vals[j].ndim == out.ndim]
+        return [
+            Strategy((p,), tuple(p if vals[x].ndim == out.ndim else R for x in range(k)))
+            for p in [R] + sorted((q for q in A[j] if q != R), key=str)
+            if vals[j].ndim == out.ndim
+        ]
     res = [Strategy((R,), tuple(R for _ in range(k)))]
     if all(P in a for a in A):
         res.append(Strategy((P,), tuple(P for _ in range(k))))
@@ -518,10 +560,16 @@ def _copy(node, A, n):
 def _split(node, A, n):
     x = _val(node.args[0])
     unbind = node.target is aten.unbind.int
-    dim = (node.args[1] if unbind else (node.args[2] if len(node.args) > 2 else 0)) if len(node.args) > 1 or not unbind else 0
+    dim = (
+        (node.args[1] if unbind else (node.args[2] if len(node.args) > 2 else 0))
+        if len(node.args) > 1 or not unbind
+        else 0
+    )
     dim %= x.ndim
     k = len(out_vals(node))
-    res = [Strategy(tuple(R for _ in range(k)), (R,)), ]
+    res = [
+        Strategy(tuple(R for _ in range(k)), (R,)),
+    ]
     if P in A[0]:
         res.append(Strategy(tuple(P for _ in range(k)), (P,)))
     for d, sf in _shards(A[0]):
@@ -539,10 +587,24 @@ def _getitem(node, A, n):
 # ---------------------------------------------------------------------------------------------
 # factories: computed whole on every rank (cheap, sequence-sized at most), sliced where needed
 
-@rule(aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default,
-      aten.zeros.default, aten.ones.default, aten.empty.memory_format, aten.scalar_tensor.default,
-      aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default,
-      aten.empty_strided.default, aten.lift_fresh.default, aten.new_empty_strided.default)
+
+@rule(
+    aten.arange.default,
+    aten.arange.start,
+    aten.arange.start_step,
+    aten.full.default,
+    aten.zeros.default,
+    aten.ones.default,
+    aten.empty.memory_format,
+    aten.scalar_tensor.default,
+    aten.new_zeros.default,
+    aten.new_ones.default,
+    aten.new_full.default,
+    aten.new_empty.default,
+    aten.empty_strided.default,
+    aten.lift_fresh.default,
+    aten.new_empty_strided.default,
+)
 def _factory(node, A, n):
     """A factory's tensor argument (``x.new_zeros(size)``) gives only dtype and device: it stays
     wherever it is, never gathered for this."""
@@ -552,11 +614,13 @@ def _factory(node, A, n):
     return [Strategy((R,), tuple(R for _ in ins))]
 
 
-
-
 # a softmax over the key positions still carries them (hand-written attention)
-provenance(aten._softmax.default, aten._log_softmax.default, aten._softmax_backward_data.default,
-           aten._log_softmax_backward_data.default)(_elementwise)
+provenance(
+    aten._softmax.default,
+    aten._log_softmax.default,
+    aten._softmax_backward_data.default,
+    aten._log_softmax_backward_data.default,
+)(_elementwise)
 
 
 def strategies_for(node: fx.Node, A: Sets, n: int, mesh=None, provenance: bool = False) -> list[Strategy] | None:
@@ -575,9 +639,23 @@ def strategies_for(node: fx.Node, A: Sets, n: int, mesh=None, provenance: bool =
 
 
 VIEW_OPS = {
-    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.transpose.int,
-    aten.t.default, aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim,
-    aten.squeeze.dims, aten.squeeze.default, aten.expand.default, aten.alias.default,
-    aten.detach.default, aten.slice.Tensor, aten.select.int, aten.split.Tensor,
-    aten.split_with_sizes.default, aten.unbind.int, operator.getitem,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.transpose.int,
+    aten.t.default,
+    aten.permute.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze.default,
+    aten.expand.default,
+    aten.alias.default,
+    aten.detach.default,
+    aten.slice.Tensor,
+    aten.select.int,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.unbind.int,
+    operator.getitem,
 }

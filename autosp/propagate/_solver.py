@@ -19,6 +19,7 @@ from p to q: the edge's flow. Its flow out of p equals u's choice of a strategy 
 flow into q equals the consumer's choice of a strategy requiring q (the graph's outputs require
 Replicate). Each flow costs its collective's bytes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -102,11 +103,15 @@ class _Program:
         integrality = np.zeros(len(self.cost))
         integrality[:integer] = 1
         rhs = np.array(self.rhs)
-        res = milp(np.array(self.cost), integrality=integrality, bounds=(0, 1),
-                   constraints=LinearConstraint(A, rhs, rhs))
+        res = milp(
+            np.array(self.cost), integrality=integrality, bounds=(0, 1), constraints=LinearConstraint(A, rhs, rhs)
+        )
         if res.x is None:
-            raise PlanError(None, f"no consistent sharding plan exists for this graph ({res.message})",
-                            "check the autosp.annotate constraints for conflicts")
+            raise PlanError(
+                None,
+                f"no consistent sharding plan exists for this graph ({res.message})",
+                "check the autosp.annotate constraints for conflicts",
+            )
         return res.x
 
 
@@ -152,8 +157,11 @@ def _add_edge(prog: _Program, c: Candidates, choose: dict, edge, j: int, n: int,
             if kind is not None:
                 flow[(p, q)] = prog.var(_flow_cost(c, v, u, i, kind, size, n, is_output))
     for p in produced:
-        prog.equal([(flow[(p, q)], 1.0) for q in required if (p, q) in flow]
-                   + [(choose[u][k], -1.0) for k, s in enumerate(c.strategies[u]) if s.outs[i] == p], 0.0)
+        prog.equal(
+            [(flow[(p, q)], 1.0) for q in required if (p, q) in flow]
+            + [(choose[u][k], -1.0) for k, s in enumerate(c.strategies[u]) if s.outs[i] == p],
+            0.0,
+        )
     for q in required:
         taken = [] if is_output else [(choose[v][k], -1.0) for k, s in enumerate(v_strategies) if s.ins[j] == q]
         prog.equal([(flow[(p, q)], 1.0) for p in produced if (p, q) in flow] + taken, 1.0 if is_output else 0.0)
@@ -165,9 +173,12 @@ def _check_no_rule(c: Candidates, chosen: dict[fx.Node, Strategy]) -> None:
         for (u, i), q in zip(tensor_inputs(nd), chosen[nd].ins):
             src = chosen[u].outs[i]
             if redistribute_kind(src, q):
-                raise UnsupportedOpError(nd, f"no sharding rule for {nd.target}, and its input {u.name} is {src} here",
-                                         "express the computation with supported ops, or pin its inputs replicated "
-                                         "with autosp.annotate(x, 'R') before it (costs an all-gather)")
+                raise UnsupportedOpError(
+                    nd,
+                    f"no sharding rule for {nd.target}, and its input {u.name} is {src} here",
+                    "express the computation with supported ops, or pin its inputs replicated "
+                    "with autosp.annotate(x, 'R') before it (costs an all-gather)",
+                )
 
 
 def solve(gm: fx.GraphModule, c: Candidates, ctx: SpContext) -> Choice:
@@ -180,12 +191,17 @@ def solve(gm: fx.GraphModule, c: Candidates, ctx: SpContext) -> Choice:
     for nd in nodes:
         # a kernel's own traffic and buffers (ring attention's K/V passes, gathered K/V held for
         # the backward) are K/V-sized: they carry the sequence once
-        choose[nd] = [prog.var(mem_weight * _out_bytes(c, nd, s, n) + (s.comm + mem_weight * s.held) * SEQ_WEIGHT)
-                      for s in c.strategies[nd]]
+        choose[nd] = [
+            prog.var(mem_weight * _out_bytes(c, nd, s, n) + (s.comm + mem_weight * s.held) * SEQ_WEIGHT)
+            for s in c.strategies[nd]
+        ]
     for nd in nodes:
         if not c.strategies[nd]:
-            raise PlanError(nd, "no exact placement for this op with the placements its inputs can take",
-                            "annotate its inputs with autosp.annotate to pin a layout")
+            raise PlanError(
+                nd,
+                "no exact placement for this op with the placements its inputs can take",
+                "annotate its inputs with autosp.annotate to pin a layout",
+            )
         prog.equal([(x, 1.0) for x in choose[nd]], 1.0)
     n_choices = len(prog.cost)
     out_node = gm.graph.output_node()

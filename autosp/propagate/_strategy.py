@@ -6,10 +6,11 @@ keyed by op overload, in DTensor's shape (``RULES``, filled with ``@rule``). ``P
 correspondences that are not executable strategies but say where the annotated sequence goes
 (attention: query positions in, query positions out).
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
 
 from torch.distributed.tensor.placement_types import Placement
 
@@ -42,20 +43,24 @@ PROVENANCE: dict[object, Rule] = {}
 
 def rule(*ops) -> Callable[[Rule], Rule]:
     """Register a rule for ``ops``."""
+
     def deco(fn: Rule) -> Rule:
         for op in ops:
             RULES[op] = fn
         return fn
+
     return deco
 
 
 def provenance(*ops) -> Callable[[Rule], Rule]:
     """Register a sequence correspondence for ``ops``, used instead of their rule when tracking
     where the annotated sequence goes."""
+
     def deco(fn: Rule) -> Rule:
         for op in ops:
             PROVENANCE[op] = fn
         return fn
+
     return deco
 
 

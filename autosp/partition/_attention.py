@@ -36,7 +36,7 @@ from torch.distributed.tensor import Shard
 from torch.fx.operator_schemas import normalize_function
 
 from .._context import Kernel
-from .._graph import ATTENTION_OPS, is_attention_backward, out_vals
+from .._graph import ATTENTION_OPS, SDPA_CPU, SDPA_CPU_BACKWARD, is_attention_backward, out_vals
 from ..propagate._attention import acc_dtype, blocks, halves, kv_sends, zigzag, zigzag_owner
 from ..propagate._attention import bounds as chunk_bounds
 from ..propagate._attention import ranges as query_ranges
@@ -57,8 +57,6 @@ __all__ = [
     "SEQUENCE_KERNELS",
 ]
 
-aten = torch.ops.aten
-
 
 def kv_gathered_attention(q, k, v, start: int, is_causal: bool, scale=None, attn_mask=None):
     """(out, logsumexp) of ``_scaled_dot_product_flash_attention_for_cpu`` for query rows
@@ -69,13 +67,9 @@ def kv_gathered_attention(q, k, v, start: int, is_causal: bool, scale=None, attn
             q.shape[:3], dtype=torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
         )
     if attn_mask is not None:
-        return tuple(
-            aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, 0.0, False, attn_mask=_rows(attn_mask, start, start + sq), scale=scale
-            )[:2]
-        )
+        return tuple(SDPA_CPU(q, k, v, 0.0, False, attn_mask=_rows(attn_mask, start, start + sq), scale=scale)[:2])
     outs = [
-        aten._scaled_dot_product_flash_attention_for_cpu(q, k[:, :, a:b], v[:, :, a:b], 0.0, c, scale=scale)[:2]
+        SDPA_CPU(q, k[:, :, a:b], v[:, :, a:b], 0.0, c, scale=scale)[:2]
         for a, b, c in blocks(start, start + sq, 0, k.shape[2], is_causal)
     ]
     if len(outs) == 1:
@@ -96,13 +90,11 @@ def kv_gathered_attention_backward(
     if q.shape[2] == 0:
         return dq, dk, dv
     if attn_mask is not None:
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        return SDPA_CPU_BACKWARD(
             grad_out, q, k, v, out, lse, 0.0, False, attn_mask=_rows(attn_mask, start, start + q.shape[2]), scale=scale
         )
     for a, b, c in blocks(start, start + q.shape[2], 0, k.shape[2], is_causal):
-        gq, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k[:, :, a:b], v[:, :, a:b], out, lse, 0.0, c, scale=scale
-        )
+        gq, gk, gv = SDPA_CPU_BACKWARD(grad_out, q, k[:, :, a:b], v[:, :, a:b], out, lse, 0.0, c, scale=scale)
         dq = dq + gq
         dk = dk.slice_scatter(gk, 2, a, b) if (a, b) != (0, k.shape[2]) else gk
         dv = dv.slice_scatter(gv, 2, a, b) if (a, b) != (0, k.shape[2]) else gv
@@ -280,7 +272,7 @@ def ring_attention(q, k, v, *, S: int, rank: int, n: int, group, is_causal: bool
         for i, ((qa, qb), qt) in enumerate(zip(ranges, qs)):
             for a, b, c in blocks(qa, qb, ka, kb, is_causal):
                 mask = _block_mask(attn_mask, qa, qb, a, b)
-                o, s = aten._scaled_dot_product_flash_attention_for_cpu(
+                o, s = SDPA_CPU(
                     qt, _rows(kc, a - ka, b - ka), _rows(vc, a - ka, b - ka), 0.0, c, attn_mask=mask, scale=scale
                 )[:2]
                 o, s = o.to(acc), _masked_lse(s.to(acc), mask)
@@ -322,7 +314,7 @@ def ring_attention_backward(
         gk = gv = None
         for i, (qa, qb) in enumerate(ranges):
             for a, b, c in blocks(qa, qb, ka, kb, is_causal):
-                d_q, d_k, d_v = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                d_q, d_k, d_v = SDPA_CPU_BACKWARD(
                     gos[i],
                     qs[i],
                     _rows(kc, a - ka, b - ka),

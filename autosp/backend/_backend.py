@@ -26,7 +26,6 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from .._context import Options, SpContext
 from ..partition import checkpoint_partition, fold_kv_repeats, gathers_at_first_use, localize, plan_tiles
-from ..partition._tiling import MAX_TILES
 from ..propagate import propagate, solve
 from ._checks import check_same_plan, check_same_schedule, largest_peaks
 from ._plan import Plan, build_plan
@@ -103,7 +102,7 @@ def make_backend(mesh, options: Options, on_plan: Callable[[Plan], None] | None 
         folded = _run("fold K/V repeats", fold_kv_repeats, joint, ctx.n)
         candidates = _run("propagate", propagate, joint, ctx)
         choice = _run("solve", solve, joint, candidates, ctx)
-        plan = build_plan(joint, choice, ctx.n, tuple(folded))
+        plan = _run("plan", build_plan, joint, choice, ctx.n, tuple(folded))
         check_same_plan(plan, ctx)
 
         def per_rank(tiling=None) -> fx.GraphModule:
@@ -111,7 +110,7 @@ def make_backend(mesh, options: Options, on_plan: Callable[[Plan], None] | None 
             return gathers_at_first_use(local)
 
         local = _run("localize", per_rank)
-        tiling = plan_tiles(joint.graph, choice.strategy, ctx, MAX_TILES)
+        tiling = plan_tiles(joint.graph, choice.strategy, ctx)
         fw, bw, ckpt = _run(
             "checkpoint",
             checkpoint_partition,

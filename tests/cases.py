@@ -244,11 +244,62 @@ def annotated_exactness() -> tuple[float, float, list]:
     return loss.item(), ref.item(), [(c.kind, c.source) for c in sharded.plan.collectives if c.kind == "all_gather"]
 
 
+def _grad_errors(model, ref) -> dict[str, float]:
+    """Each gradient's largest error relative to its largest element; a gradient that is zero in
+    exact arithmetic (a bias under a shift-invariant loss, an attention key bias) is roundoff on
+    both sides: its error is measured against 1e-4 of the model's largest gradient."""
+    pairs = [(n, p.grad, q.grad) for (n, p), q in zip(model.named_parameters(), ref.parameters()) if q.grad is not None]
+    floor = 1e-4 * max(g.abs().max().item() for _, _, g in pairs)
+    return {n: ((a - b).abs().max() / max(b.abs().max().item(), floor)).item() for n, a, b in pairs}
+
+
+# Reductions users write over activations, along the sequence and over every dim: the ones whose
+# partial results do not add (a maximum, a minimum, a p-norm) are reduced as such, not summed
+REDUCTIONS = {
+    "max": lambda h: h.abs().max(),
+    "min": lambda h: h.min(),
+    "amax": lambda h: h.amax(),
+    "amax_seq": lambda h: h.amax(dim=1).sum(),
+    "amin_seq_keepdim": lambda h: (h - h.amin(dim=1, keepdim=True)).pow(2).mean(),
+    "max_ties": lambda h: h.max(),  # with 4 token ids, the largest element recurs on every rank
+    "vector_norm_seq": lambda h: torch.linalg.vector_norm(h, dim=1).sum(),
+    "norm": lambda h: h.norm(),
+    "vector_norm_3_seq": lambda h: torch.linalg.vector_norm(h, ord=3, dim=1).sum(),
+    "std_seq": lambda h: h.std(dim=1).sum(),
+    "prod_seq": lambda h: (h.tanh() * 0.1 + 1).prod(dim=1).sum(),
+    "prod": lambda h: (h.tanh() * 0.01 + 1).prod(),  # DTensor offers a partial product here
+    "logsumexp_seq": lambda h: h.logsumexp(dim=1).sum(),
+}
+
+
+def reduction_exactness(kind: str, b: int, L: int) -> dict:
+    """A loss that reduces a sequence-sharded activation with ``REDUCTIONS[kind]``: loss and
+    gradients against one device, and the plan's collectives as (kind, source placement). No
+    bias: a shift-invariant reduction (a standard deviation) gives it no gradient."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 16, bias=False))
+    ref = copy.deepcopy(model)
+    vocab = 4 if kind == "max_ties" else 64
+    ids = torch.randint(0, vocab, (b, L), generator=torch.Generator().manual_seed(1))
+    fn = REDUCTIONS[kind]
+    with autosp.mesh():
+        step = autosp.shard(lambda ids: fn(model(ids)), compiler="aot_eager")
+        loss = step(ids)
+        loss.backward()
+    loss_ref = fn(ref(ids))
+    loss_ref.backward()
+    return {
+        "loss": (loss.item(), loss_ref.item()),
+        "grad_err": _grad_errors(model, ref),
+        "collectives": sorted({(c.kind, c.src) for c in step.plan.collectives}),
+    }
+
+
 def _hf_compare(model, ref, ids: torch.Tensor, labels: torch.Tensor, attention: str = "auto", **kwargs) -> dict:
     """Train one step of an HF causal LM through autosp and the same on one device; the loss pair,
-    each gradient's relative error, and the plan's collective kinds. A gradient that is zero in
-    exact arithmetic (an attention key bias: softmax ignores a shift of every score in a row) is
-    roundoff on both sides; its error is measured against 1e-4 of the model's largest gradient."""
+    each gradient's relative error (``_grad_errors``: an attention key bias's gradient is zero in
+    exact arithmetic, softmax ignoring a shift of every score in a row), and the plan's collective
+    kinds."""
 
     def call(m, input_ids, labels, **kw):
         return m(input_ids=input_ids, labels=labels, **kw).loss
@@ -264,10 +315,7 @@ def _hf_compare(model, ref, ids: torch.Tensor, labels: torch.Tensor, attention: 
         kinds = sorted({c.kind for c in step.plan.collectives})
     loss_ref = call(ref, ids, labels, **kwargs)
     loss_ref.backward()
-    pairs = [(n, p.grad, q.grad) for (n, p), q in zip(model.named_parameters(), ref.parameters()) if q.grad is not None]
-    floor = 1e-4 * max(g.abs().max().item() for _, _, g in pairs)
-    grad_err = {n: ((a - b).abs().max() / max(b.abs().max().item(), floor)).item() for n, a, b in pairs}
-    return {"loss": (loss.item(), loss_ref.item()), "grad_err": grad_err, "kinds": kinds}
+    return {"loss": (loss.item(), loss_ref.item()), "grad_err": _grad_errors(model, ref), "kinds": kinds}
 
 
 def hf_exactness(arch: str, attn: str, b: int, L: int, generic: bool = False) -> dict:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.distributed.tensor.placement_types import Placement
 
 from ..propagate._placement import chunks, offsets, redistribute_kind, shard_spec
@@ -106,6 +107,14 @@ def _all_to_all(
     return torch.cat(pieces, dim=a + 1).reshape(_split(mids[0], a, [sfa * block_a]))
 
 
+def _all_reduce(x: torch.Tensor, src, group) -> torch.Tensor:
+    """A partial value reduced on every rank: summed, maximum or minimum; a p-norm's parts as
+    the root of their summed p-th powers."""
+    if isinstance(src, _NormPartial):
+        return funcol.all_reduce(x.pow(src.norm_type), "sum", group).pow(1.0 / src.norm_type)
+    return funcol.all_reduce(x, src.reduce_op, group)
+
+
 def redistribute(
     x: torch.Tensor, src: Placement, dst: Placement, n: int, rank: int, group, global_shape: Sequence[int]
 ) -> torch.Tensor:
@@ -117,7 +126,7 @@ def redistribute(
     if kind == "all_gather":
         return _gather(x, *s, n, group, global_shape[s[0]] // s[1])
     if kind == "all_reduce":
-        return funcol.all_reduce(x, "sum", group)
+        return _all_reduce(x, src, group)
     if kind == "reduce_scatter":
         return _reduce_scatter(x, *d, n, rank, group)
     if kind == "all_to_all":

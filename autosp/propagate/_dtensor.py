@@ -1,4 +1,10 @@
-"""Fallback rule source: DTensor's registered op strategies, for ops autosp has no rule of its own."""
+"""Fallback rule source: DTensor's registered op strategies, for ops autosp has no rule of its own.
+
+A strategy is taken only where every placement in it is one autosp runs exactly
+(``_placement.exact``): DTensor's strategies also produce partial products, averages and masked
+partials, and accept partial maxima and norms as inputs, which autosp's redistribute does not
+honour; such strategies are dropped here, and the op runs on the placements that remain (or, with
+none, as an op without a rule)."""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, Tu
 from torch.utils._pytree import tree_map
 
 from .._graph import out_vals, tensor_inputs
+from ._placement import exact
 from ._strategy import Strategy
 
 __all__ = ["dtensor_strategies"]
@@ -50,5 +57,7 @@ def dtensor_strategies(node: fx.Node, A, n: int, mesh) -> list[Strategy] | None:
         outs = tuple(o.placements[0] if o is not None else None for o in outs)
         if len(outs) != nouts or s.input_specs is None or len(s.input_specs) != len(inputs):
             continue
-        strats.append(Strategy(outs, tuple(i.placements[0] for i in s.input_specs)))
+        ins = tuple(i.placements[0] for i in s.input_specs)
+        if all(exact(p) for p in outs) and all(exact(q, as_input=True) for q in ins):
+            strats.append(Strategy(outs, ins))
     return strats or None

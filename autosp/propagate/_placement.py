@@ -14,10 +14,12 @@ are short; the balanced split keeps every rank busy when the length is just over
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from collections.abc import Iterable, Sequence
 
 from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "transfer_bytes",
     "placement_str",
     "parse_placement",
+    "exact",
 ]
 
 R = Replicate()
@@ -101,6 +104,26 @@ def local_shape(shape: Sequence[int], p: Placement, n: int, rank: int = 0) -> li
     return out
 
 
+def _reducible(p: Partial) -> bool:
+    """A partial value autosp's redistribute reduces exactly: summed, a maximum or a minimum
+    (all-reduce SUM, MAX, MIN), or a p-norm with finite p > 0 (the p-th powers summed, then the
+    root). Anything else DTensor's strategies may produce (a product, an average, a masked
+    partial) is not."""
+    if type(p) is Partial:
+        return p.reduce_op in ("sum", "max", "min")
+    return type(p) is _NormPartial and math.isfinite(p.norm_type) and p.norm_type > 0
+
+
+def exact(p: Placement | None, *, as_input: bool = False) -> bool:
+    """Whether a placement is one autosp runs exactly: Replicate, a shard, or a reducible partial
+    (as an op's input, only a sum: no rule reads a partial maximum or norm before its reduction)."""
+    if p is None or type(p) in (Replicate, Shard, _StridedShard):
+        return True
+    if not isinstance(p, Partial):
+        return False
+    return p == P if as_input else _reducible(p)
+
+
 def redistribute_kind(src: Placement, dst: Placement) -> str | None:
     """The collective that turns ``src`` into ``dst``: "" when free, None when not allowed."""
     if src == dst:
@@ -110,8 +133,8 @@ def redistribute_kind(src: Placement, dst: Placement) -> str | None:
         return "" if d is not None else None  # R -> P would need a zero fill: never needed
     if isinstance(src, Partial):
         if isinstance(dst, Replicate):
-            return "all_reduce"
-        return "reduce_scatter" if d is not None else None
+            return "all_reduce" if _reducible(src) else None
+        return "reduce_scatter" if d is not None and src == P else None
     assert s is not None
     if isinstance(dst, Replicate):
         return "all_gather"

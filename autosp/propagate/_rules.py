@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import Partial
 
 from .._graph import out_vals, tensor_inputs
 from ._dtensor import dtensor_strategies
@@ -279,15 +280,18 @@ def _reduce_dims(node: fx.Node) -> tuple[set[int], bool]:
     return {d % max(x.ndim, 1) for d in dims}, keep
 
 
-def _reduction(node, A, n, *, linear: bool):
+def _reduction(node, A, n, *, linear: bool, partial=None):
+    """A reduction over some dims: a sharded dim kept stays sharded; one reduced leaves partial
+    results, combined by ``P`` (sums, ``linear``) or by ``partial`` (``Partial("max")`` for a
+    maximum), else the reduced dim must be whole."""
     dims, keep = _reduce_dims(node)
     res = [Strategy(_each_out(node, R), (R,))]
     if linear and P in A[0]:
         res.append(Strategy(_each_out(node, P), (P,)))
     for d, sf in _shards(A[0]):
         if d in dims:
-            if linear:
-                res.append(Strategy(_each_out(node, P), (shard(d, sf),)))
+            if linear or partial is not None:
+                res.append(Strategy(_each_out(node, P if linear else partial), (shard(d, sf),)))
         else:
             e = d if keep else d - sum(1 for r in dims if r < d)
             res.append(Strategy(_each_out(node, shard(e, sf)), (shard(d, sf),)))
@@ -299,9 +303,14 @@ def _sum(node, A, n):
     return _reduction(node, A, n, linear=True)
 
 
+@rule(aten.amax.default, aten.amin.default)
+def _extremum(node, A, n):
+    """The largest (smallest) element: each rank's over its shard, then all-reduced MAX (MIN).
+    (``max.dim`` also returns the index, which no all-reduce combines: it reads the dim whole.)"""
+    return _reduction(node, A, n, linear=False, partial=Partial("max" if node.target is aten.amax.default else "min"))
+
+
 @rule(
-    aten.amax.default,
-    aten.amin.default,
     aten.max.dim,
     aten.min.dim,
     aten.argmax.default,

@@ -8,7 +8,7 @@ import torch.fx as fx
 
 from ._graph import out_vals
 
-__all__ = ["PlanError", "UnsupportedOpError", "GraphBreakError", "source_line"]
+__all__ = ["PlanError", "UnsupportedOpError", "GraphBreakError", "source_line", "collective_error"]
 
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
@@ -56,3 +56,28 @@ class UnsupportedOpError(PlanError, NotImplementedError):
 
 class GraphBreakError(PlanError):
     """The step cannot be captured as one graph."""
+
+
+# how gloo reports a peer that went away in the middle of a collective (torch 2.13)
+_PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe")
+
+
+def collective_error(e: RuntimeError) -> PlanError | None:
+    """autosp's error for a collective of a sharded step that failed at run time (another rank
+    stopped, or did not arrive within the mesh's timeout); None for any other error."""
+    text, first = str(e).lower(), (str(e).strip().splitlines() or [""])[0][:200]
+    if any(x in text for x in _PEER_LOST):
+        return PlanError(
+            None,
+            f"another rank stopped while this one was in a collective of the sharded step ({first})",
+            "look at the other ranks' output for why it stopped (an error, a kill, out of memory); "
+            "every rank of the sp group must run every step",
+        )
+    if "timed out" in text or "timeout" in text:
+        return PlanError(
+            None,
+            f"a collective of the sharded step timed out ({first})",
+            "every rank of the sp group must run the same steps with the same shapes; "
+            "check for a rank that skipped or changed a step",
+        )
+    return None

@@ -225,6 +225,31 @@ def skip_on_rank(skip: int, timeout_s: float) -> str:
     return _step_error("llama", 1, 96, timeout_s=timeout_s)
 
 
+def die_mid_step(die: int, timeout_s: float) -> dict:
+    """Steps of a sharded model; after the first, rank ``die`` exits 0.3 s later (mid-step, or
+    between steps if they are shorter): the error the other ranks saw, and how long after the
+    first step it came."""
+    import os
+    import threading
+    import time
+
+    torch.manual_seed(0)
+    model = MODELS["llama"]()
+    ids, labels = batch("llama", 2, 1024, seed=0)
+    with autosp.mesh(timeout_s=timeout_s):
+        step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager")
+        step(ids, labels).backward()
+        if dist.get_rank() == die:
+            threading.Timer(0.3, lambda: os._exit(1)).start()
+        t0 = time.monotonic()
+        try:
+            for _ in range(20):
+                step(ids, labels).backward()
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - t0}
+    return {"error": "no error", "seconds": time.monotonic() - t0}
+
+
 def annotated_exactness() -> tuple[float, float, list]:
     """A model whose code pins an intermediate replicated with autosp.annotate: (loss, reference
     loss, the plan's all-gathers)."""

@@ -118,3 +118,38 @@ def test_a_rank_that_skips_the_step_fails_the_others_within_the_timeout():
         pool.close()
     assert msgs[1] == "skipped"
     assert "PlanError" in msgs[0] and "not every rank of the sp group compiled this step" in msgs[0], msgs[0]
+
+
+def _die_worker(rank: int, port: int, q) -> None:
+    import os
+
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    q.put((rank, cases.die_mid_step(1, 60.0)))
+
+
+def test_a_rank_that_dies_mid_step_fails_the_others_with_an_error():
+    """No hang: rank 1 exits while the ranks are in the middle of a step; rank 0, waiting on it in
+    a collective, gets an autosp error saying so, within seconds (well inside the mesh's 60 s
+    timeout)."""
+    import torch.multiprocessing as mp
+    from _pool import _free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_die_worker, args=(r, port, q), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        rank, got = q.get(timeout=180)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert rank == 0 and procs[1].exitcode == 1, (rank, got, procs[1].exitcode)
+    msg = got["error"]
+    assert "PlanError" in msg and "another rank stopped while this one was in a collective" in msg, msg
+    assert got["seconds"] < 30, got

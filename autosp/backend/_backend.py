@@ -21,10 +21,12 @@ import torch
 import torch.fx as fx
 from torch._decomp import get_decompositions
 from torch._dynamo.backends.common import aot_autograd
+from torch._functorch._aot_autograd.utils import call_func_at_runtime_with_args
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .._context import Options, SpContext
+from ..errors import collective_error
 from ..partition import checkpoint_partition, fold_kv_repeats, gathers_at_first_use, localize, plan_tiles
 from ..propagate import propagate, solve
 from ._checks import check_same_plan, check_same_schedule, largest_peaks
@@ -93,6 +95,28 @@ def _compiler(name: str) -> Callable:
     return inductor
 
 
+def _with_errors(compile_fn: Callable) -> Callable:
+    """``compile_fn`` whose compiled graphs raise autosp's errors for collectives that fail at run
+    time: the backward runs from ``loss.backward()``, outside the sharded step's call."""
+
+    def compile(gm: fx.GraphModule, example_inputs):
+        compiled = compile_fn(gm, example_inputs)
+
+        def run(args):
+            try:
+                return call_func_at_runtime_with_args(compiled, args, steal_args=True)
+            except RuntimeError as e:
+                error = collective_error(e)
+                if error is None:
+                    raise
+                raise error from e
+
+        run._boxed_call = True  # AOTAutograd calls it with the list of inputs, which it may free
+        return run
+
+    return compile
+
+
 def make_backend(mesh, options: Options, on_plan: Callable[[Plan], None] | None = None):
     """A Dynamo backend that runs the training step sequence-parallel over ``mesh``'s sp axis;
     ``on_plan`` receives each compile's plan."""
@@ -129,7 +153,7 @@ def make_backend(mesh, options: Options, on_plan: Callable[[Plan], None] | None 
             on_plan(dataclasses.replace(plan, memory=ckpt.memory, checkpoint=ckpt))
         return fw, bw
 
-    compile_fn = _compiler(options.compiler)
+    compile_fn = _with_errors(_compiler(options.compiler))
     return aot_autograd(
         fw_compiler=compile_fn,
         bw_compiler=compile_fn,

@@ -13,7 +13,7 @@ import torch
 from torch.distributed.tensor import Shard
 
 from .._context import Options
-from ..errors import GraphBreakError, PlanError, user_frame
+from ..errors import GraphBreakError, PlanError, collective_error, user_frame
 from ..propagate._annotate import annotate_placement
 from ._backend import make_backend
 from ._fsdp import FsdpParams, find_fsdp
@@ -106,13 +106,9 @@ def _unwrap_errors(call):
     except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
         raise _graph_break(e) from None
     except RuntimeError as e:
-        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
-            raise PlanError(
-                None,
-                f"a collective of the sharded step timed out ({str(e).splitlines()[0]})",
-                "every rank of the sp group must run the same steps with the same shapes; "
-                "check for a rank that skipped or changed a step",
-            ) from e
+        error = collective_error(e)
+        if error is not None:
+            raise error from e
         raise
 
 

@@ -52,6 +52,8 @@ class Options:
         ``attention="ring"``.
     every_rung: evaluate every checkpointing rung, not just until the policy is settled
         (planning tools: ``autosp plan``), e.g. ``every_rung=True``.
+    check_inputs: check at every step that the ranks of each sp group were called with the same
+        inputs (a fingerprint all-gathered over the group), e.g. ``check_inputs=False``.
     """
 
     compiler: str = "inductor"
@@ -59,6 +61,7 @@ class Options:
     checkpoint: str | int = "auto"
     attention: str = "auto"
     every_rung: bool = False
+    check_inputs: bool = True
 
     def __post_init__(self):
         if self.compiler not in ("inductor", "aot_eager"):

@@ -181,7 +181,8 @@ def _worker(rank: int, world: int, port: int, cfg: dict) -> dict:
             model = Llama(LlamaConfig(**PRESETS[cfg["preset"]])).to(device)
             g = torch.Generator().manual_seed(1)
             ids = torch.randint(0, model.c.vocab, (cfg["batch"], cfg["seq"]), generator=g).to(device)
-            run = SYSTEMS[cfg["system"]](model, ids, ids.clone(), mesh, cfg["compiler"])
+            mine = ids.tensor_split(dp)[mesh.dp_rank] if dp > 1 else ids  # this dp replica's batch
+            run = SYSTEMS[cfg["system"]](model, mine, mine.clone(), mesh, cfg["compiler"])
             run.model = model
             record.update(_measure(run, ids, cfg, rank))
     except Exception as e:
@@ -336,7 +337,7 @@ def main(argv=None) -> None:
         "--dp",
         type=int,
         default=1,
-        help="data-parallel replicas (autosp.mesh(dp=...)); --batch is the global batch, split over them",
+        help="data-parallel replicas (autosp.mesh(dp=...)); --batch is the global batch, each replica its slice",
     )
     ap.add_argument(
         "--ulysses",

@@ -165,13 +165,15 @@ def work(kind: str, b: int, L: int) -> dict:
     return {"flops": (sharded[0], single[0]), "saved": (sharded[1], single[1])}
 
 
-def _step_error(kind: str, b: int, L: int, **mesh_kwargs) -> str:
+def _step_error(kind: str, b: int, L: int, check_inputs: bool = True, **mesh_kwargs) -> str:
     """Run one sharded step; return the error it raised, or "no error"."""
     torch.manual_seed(0)
     model = MODELS[kind]()
     ids, labels = batch(kind, b, L, seed=0)
     with autosp.mesh(**mesh_kwargs):
-        step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager")
+        step = autosp.shard(
+            lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager", check_inputs=check_inputs
+        )
         try:
             step(ids, labels).backward()
         except Exception as e:
@@ -179,9 +181,9 @@ def _step_error(kind: str, b: int, L: int, **mesh_kwargs) -> str:
     return "no error"
 
 
-def error_message(kind: str, b: int, L_by_rank: list[int]) -> str:
+def error_message(kind: str, b: int, L_by_rank: list[int], check_inputs: bool = True) -> str:
     """Run a step whose sequence length differs per rank; return the error each rank raises."""
-    return _step_error(kind, b, L_by_rank[dist.get_rank()])
+    return _step_error(kind, b, L_by_rank[dist.get_rank()], check_inputs)
 
 
 def redistribute_roundtrip(shape: list[int], src: str, dst: str, seed: int) -> float:
@@ -218,11 +220,11 @@ def redistribute_roundtrip(shape: list[int], src: str, dst: str, seed: int) -> f
     return (y - want).abs().max().item() if want.numel() else 0.0
 
 
-def skip_on_rank(skip: int, timeout_s: float) -> str:
+def skip_on_rank(skip: int, timeout_s: float, check_inputs: bool = True) -> str:
     """Every rank but ``skip`` runs a sharded step; return what each rank saw."""
     if dist.get_rank() == skip:
         return "skipped"
-    return _step_error("llama", 1, 96, timeout_s=timeout_s)
+    return _step_error("llama", 1, 96, check_inputs, timeout_s=timeout_s)
 
 
 def die_mid_step(die: int, timeout_s: float) -> dict:
@@ -248,6 +250,25 @@ def die_mid_step(die: int, timeout_s: float) -> dict:
         except Exception as e:
             return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - t0}
     return {"error": "no error", "seconds": time.monotonic() - t0}
+
+
+def inputs_per_rank(dp: int, differ_in_group: bool, check: bool = True) -> str:
+    """A step whose ranks get their dp replica's batch (dp replicas differ, as a sampler over dp
+    hands them out); with ``differ_in_group`` the last rank's batch also differs from the rest of
+    its sp group (a sampler over every rank): the error each rank raises, or "no error"."""
+    torch.manual_seed(0)
+    model = MODELS["llama"]()
+    with autosp.mesh(dp=dp) as m:
+        seed = m.dp_rank + (100 if differ_in_group and dist.get_rank() == dist.get_world_size() - 1 else 0)
+        ids, labels = batch("llama", 1, 64, seed=seed)
+        step = autosp.shard(
+            lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager", check_inputs=check
+        )
+        try:
+            step(ids, labels).backward()
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+    return "no error"
 
 
 def annotated_exactness() -> tuple[float, float, list]:
@@ -594,16 +615,17 @@ def dropout_run(p: float) -> dict:
 
 
 def dp_exactness(kind: str, b: int, L: int, dp: int) -> dict:
-    """A dp x sp mesh: each dp replica trains on its slice of the global batch (sequence-parallel
-    within its sp group) and the gradients are averaged over the replicas, as DDP does. Against one
-    device running the same slices: each replica's loss, and the mean of the slices' gradients."""
+    """A dp x sp mesh: each dp replica is called with its own slice of a global batch (as a
+    sampler over the dp replicas hands it out), trains on it sequence-parallel within its sp
+    group, and the gradients are averaged over the replicas, as DDP does. Against one device
+    running the same slices: each replica's loss, and the mean of the slices' gradients."""
     torch.manual_seed(0)
     model = MODELS[kind]()
     ref = copy.deepcopy(model)
     ids, labels = batch(kind, b, L, seed=0)
     with autosp.mesh(dp=dp) as m:
         step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager")
-        loss = step(ids, labels)
+        loss = step(ids.tensor_split(dp)[m.dp_rank], labels.tensor_split(dp)[m.dp_rank])
         loss.backward()
         r, sp = m.dp_rank, m.sp_size
     losses = [ref(i, y) for i, y in zip(ids.tensor_split(dp), labels.tensor_split(dp))]
@@ -818,7 +840,7 @@ def fsdp_exactness(
         for i in range(steps):
             ids, labels = batch(kind, b, L, seed=i)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as fwd:
-                loss = step(ids, labels)
+                loss = step(ids.tensor_split(dp)[m.dp_rank], labels.tensor_split(dp)[m.dp_rank])
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as bwd:
                 loss.backward()
             ref_losses = [ref(x, y) for x, y in zip(ids.tensor_split(dp), labels.tensor_split(dp))]

@@ -94,9 +94,26 @@ def test_mesh_size_mismatch_is_an_error(fake_world):
 def test_ranks_with_different_shapes_fail_with_a_message_not_a_hang(pools):
     """A rank that sees another sequence length would run other collectives: every rank gets
     the plan-mismatch error at compile time instead of a gloo hang."""
-    msgs = pools(2).run(cases.error_message, "llama", 1, [96, 48], timeout=300)
-    for m in msgs:
+    for m in pools(2).run(cases.error_message, "llama", 1, [96, 48], True, timeout=300):
+        assert "PlanError" in m and "different inputs (sp group [0, 1]: ['input_ids', 'labels']" in m, m
+    # without the input check, the compile-time check of the plans catches it
+    for m in pools(2).run(cases.error_message, "llama", 1, [96, 48], False, timeout=300):
         assert "PlanError" in m and "different plans" in m, m
+
+
+def test_different_inputs_inside_an_sp_group_are_an_error_on_every_rank(pools):
+    """A sampler over every rank instead of over the dp replicas: same shapes, so every plan and
+    graph agrees, but the ranks of an sp group hold different tokens. Every rank raises the same
+    error naming the fix, the ranks of the other sp groups too; dp replicas with batches of their
+    own are fine; the check can be turned off (and the step then runs, on the wrong data)."""
+    for msg in pools(2).run(cases.inputs_per_rank, 1, True):
+        assert "PlanError" in msg and "different inputs (sp group [0, 1]: ['input_ids', 'labels'] differ" in msg, msg
+        assert "num_replicas=mesh.dp_size" in msg, msg
+    assert pools(4).run(cases.inputs_per_rank, 2, False) == ["no error"] * 4
+    # the other sp group stops too, instead of waiting for this one in the gradients' all-reduce
+    for msg in pools(4).run(cases.inputs_per_rank, 2, True):
+        assert "different inputs (sp group [2, 3]: ['input_ids', 'labels'] differ" in msg, msg
+    assert pools(2).run(cases.inputs_per_rank, 1, True, False) == ["no error"] * 2
 
 
 def test_ranks_whose_graphs_issue_different_collectives_fail_before_running(pools):
@@ -108,16 +125,21 @@ def test_ranks_whose_graphs_issue_different_collectives_fail_before_running(pool
 
 
 def test_a_rank_that_skips_the_step_fails_the_others_within_the_timeout():
-    """No hang: rank 0 waits for rank 1 at compile time, and gets an error after timeout_s."""
+    """No hang: rank 0 waits for rank 1 (at the input check, or without it at compile time), and
+    gets an error after timeout_s."""
     from _pool import Pool
 
-    pool = Pool(2, timeout_s=5)
-    try:
-        msgs = pool.run(cases.skip_on_rank, 1, 5.0, timeout=120)
-    finally:
-        pool.close()
-    assert msgs[1] == "skipped"
-    assert "PlanError" in msgs[0] and "not every rank of the sp group compiled this step" in msgs[0], msgs[0]
+    for check, expected in (
+        (True, "not every rank called this step"),
+        (False, "not every rank of the sp group compiled this step"),
+    ):
+        pool = Pool(2, timeout_s=5)
+        try:
+            msgs = pool.run(cases.skip_on_rank, 1, 5.0, check, timeout=120)
+        finally:
+            pool.close()
+        assert msgs[1] == "skipped"
+        assert "PlanError" in msgs[0] and expected in msgs[0], msgs[0]
 
 
 def _die_worker(rank: int, port: int, q) -> None:

@@ -1,6 +1,7 @@
-"""The runtime of a sharded step: ``ShardedStep`` (what ``autosp.shard`` returns) marks the
-sharded inputs, compiles once per mesh with the autosp backend, slices each dp replica's batch,
-hands FSDP2's shards to the graph, and turns torch's failures into autosp's errors."""
+"""The runtime of a sharded step: ``ShardedStep`` (what ``autosp.shard`` returns) checks that the
+ranks of the sp group hold the same inputs, marks the sharded ones, compiles once per mesh with
+the autosp backend, hands FSDP2's shards to the graph, and turns torch's failures into autosp's
+errors. With dp > 1 each rank is called with its own dp replica's batch (DDP's convention)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,16 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import Shard
+from torch.utils._pytree import tree_flatten
 
 from .._context import Options
 from ..errors import GraphBreakError, PlanError, collective_error, user_frame
 from ..propagate._annotate import annotate_placement
 from ._backend import make_backend
 from ._fsdp import FsdpParams, find_fsdp
+from ._inputs import check_same_inputs
 
 __all__ = ["ShardedStep", "SeqSpec"]
 
@@ -58,6 +62,16 @@ def _map_inputs(fn: Callable, seq: SeqSpec, args, kwargs, mark):
         else:
             bound.arguments[name] = one(name, bound.arguments[name])
     return bound.args, bound.kwargs
+
+
+def _named_tensors(fn: Callable, args, kwargs) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor among the arguments, named by its parameter (and position inside it)."""
+    out = []
+    for name, value in inspect.signature(fn).bind(*args, **kwargs).arguments.items():
+        leaves, _ = tree_flatten(value)
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        out += [(name if len(tensors) == 1 else f"{name}[{i}]", t) for i, t in enumerate(tensors)]
+    return out
 
 
 def _check_inputs(fn: Callable, seq: SeqSpec, n: int, args, kwargs) -> None:
@@ -174,41 +188,23 @@ class ShardedStep:
             raise RuntimeError("autosp: call the sharded function inside `with autosp.mesh(sp=N):`")
         return m
 
-    def _dp_slice(self, m, args, kwargs):
-        """Each dp replica takes its slice of the global batch (dim 0 of the sharded inputs)."""
-        dp, r = m.dp_size, m.dp_rank
-
-        def cut(name, value, dim):
-            if value.requires_grad:
-                raise ValueError(
-                    f"autosp: input {name!r} requires grad; with dp > 1 only parameters may "
-                    "(its gradient would be a slice of the batch)"
-                )
-            if dim == 0:
-                raise ValueError(
-                    f"autosp: input {name!r} has its sequence on dim 0; with dp > 1 dim 0 is the "
-                    "batch that the dp replicas split: put the sequence on dim 1 (or another dim)"
-                )
-            if value.shape[0] % dp:
-                raise ValueError(
-                    f"autosp: input {name!r} has shape {tuple(value.shape)}: its batch dim 0 "
-                    f"({value.shape[0]}) must divide by dp={dp}, each dp replica taking an equal "
-                    "slice; pass a global batch that is a multiple of dp"
-                )
-            return value.tensor_split(dp)[r]
-
-        return _map_inputs(self.fn, self.seq, args, kwargs, cut)
-
     def _prepared(self, args, kwargs):
-        """(mesh, args, kwargs): the inputs checked, and with dp > 1 this replica's slice."""
+        """The current mesh, with the inputs checked."""
         m = self._mesh()
         _check_inputs(self.fn, self.seq, m.sp_size, args, kwargs)
         if m.dp_size > 1:
-            args, kwargs = self._dp_slice(m, args, kwargs)
-        return m, args, kwargs
+            for name, value in _named_tensors(self.fn, args, kwargs):
+                if value.requires_grad:
+                    raise ValueError(
+                        f"autosp: input {name!r} requires grad; with dp > 1 only parameters may (the gradients "
+                        "are averaged over the dp replicas, which each have inputs of their own)"
+                    )
+        return m
 
     def __call__(self, *args, **kwargs):
-        m, args, kwargs = self._prepared(args, kwargs)
+        m = self._prepared(args, kwargs)
+        if self.options.check_inputs and m.sp_size > 1 and dist.get_backend(m.sp_group) != "fake":
+            check_same_inputs(_named_tensors(self.fn, args, kwargs), m.device_mesh.mesh.reshape(m.dp_size, -1).tolist())
         key = id(m.device_mesh)
         if key not in self._compiled:
             self._compiled[key] = self._step(m)
@@ -222,7 +218,7 @@ class ShardedStep:
 
     def explain(self, *args, **kwargs):
         """The plan of one call, without running the step (see ``autosp.explain``)."""
-        m, args, kwargs = self._prepared(args, kwargs)
+        m = self._prepared(args, kwargs)
 
         def capture(plan):
             raise _PlanCaptured(plan)

@@ -20,6 +20,7 @@ MODELS = {
     "llama_2h": lambda: Llama(LlamaConfig(heads=2, kv_heads=1)),  # fewer query heads than 4 ranks
     "llama_6h": lambda: Llama(LlamaConfig(dim=96, heads=6, kv_heads=2)),  # 6 heads: uneven over 4
     "llama_6h_manual": lambda: Llama(LlamaConfig(dim=96, heads=6, kv_heads=3, attn="manual")),
+    "llama_gqa": lambda: Llama(LlamaConfig(attn="gqa")),  # 4 query / 2 K/V heads inside SDPA (enable_gqa)
     "gpt": lambda: GPT(GPTConfig()),
 }
 

@@ -96,6 +96,21 @@ def test_hybrid_attention_adamw_trajectory_matches_single_device_fp64(pools):
         assert max(r["grad_err"].values()) <= 1e-10
 
 
+def test_replicated_kv_heads_stay_exact(pools):
+    """4 query / 2 K/V heads inside SDPA on 4 ranks: the K/V heads are replicated for Ulysses and
+    their gradients summed back over the copies; loss and gradients as one device's (fp32), and
+    the AdamW trajectory in fp64, with 93 tokens (uneven) too."""
+    for L in (96, 93):
+        for r in pools(4).run(cases.exactness, "llama_gqa", 2, L, 1):
+            loss, loss_ref = r["loss"]
+            assert abs(loss - loss_ref) <= 1e-5 * abs(loss_ref)
+            assert max(r["grad_err"].values()) <= 1e-5
+            assert r["kinds"] == ["all_reduce", "all_to_all"], r["kinds"]
+    for r in pools(4).run(cases.exactness, "llama_gqa", 2, 96, 3, "aot_eager", torch.float64):
+        assert r["param_err"] <= 1e-10
+        assert max(r["grad_err"].values()) <= 1e-10
+
+
 def test_grouped_query_heads_inside_the_op_stay_exact(pools):
     """6 query heads and 2 K/V heads inside the attention op (enable_gqa) over 4 ranks: no head
     split keeps query head j with its K/V head, so attention runs as a ring, the K/V chunks at

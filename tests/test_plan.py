@@ -119,6 +119,29 @@ def test_uneven_heads_plan_is_ulysses_with_an_uneven_split(fake_world, attn):
     assert kinds == {"all_to_all", "all_reduce"}, kinds
 
 
+def test_kv_heads_that_do_not_split_are_replicated_for_ulysses(fake_world):
+    """4 query / 2 K/V heads inside SDPA (enable_gqa) on 4 ranks: the query heads split, the K/V
+    heads do not; each K/V head is repeated twice before the op so that Ulysses splits the heads
+    (as DeepSpeed ALST replicates them), which sends less than ring attention on the heads as they
+    are (forced here) and plans no ring. Pinned finding: the backward all-to-alls the repeated K/V
+    again (one collective per consumer of a value), 6 all-to-alls a layer where hand-written Ulysses
+    sends 4, so the attention traffic is 1.25x hand-written Ulysses' with K/V repeated to 4 heads."""
+    fake_world(4)
+    _, plan = _plan(4, 4, 2, 64, "gqa")
+    _, ring = _plan(4, 4, 2, 64, "gqa", attention="ring")
+    kinds = Counter((c.kind, c.backward) for c in plan.collectives)
+    assert kinds[("all_to_all", False)] == 4 * LAYERS and kinds[("all_to_all", True)] == 6 * LAYERS, kinds
+    assert ("ring", False) not in kinds, kinds
+    assert sum("K/V heads are replicated 2x" in note for note in plan.notes) == LAYERS, plan.notes
+
+    def attention_bytes(p):
+        return sum(c.bytes_per_rank for c in p.collectives if c.kind in ("all_to_all", "ring"))
+
+    assert attention_bytes(plan) < 0.6 * attention_bytes(ring), (attention_bytes(plan), attention_bytes(ring))
+    hand_written = 8 * LAYERS * (L * 64 * 4) / 4 * 3 / 4  # q, k, v, o at 4 heads, each way
+    assert attention_bytes(plan) == pytest.approx(1.25 * hand_written)
+
+
 def test_heads_that_cannot_split_run_ring_attention_by_default(fake_world):
     """2 query heads (1 K/V head) over 4 ranks: the plan keeps every activation sequence-sharded
     and runs attention as a ring (no all-to-all, no gather: whole K/V are never held on a rank);

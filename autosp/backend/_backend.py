@@ -1,6 +1,6 @@
 """The torch.compile backend: the autosp passes, in order, on AOTAutograd's joint graph.
 
-    fold K/V repeats -> propagate -> solve -> (plan, checked across ranks) -> localize
+    fold or replicate K/V heads -> propagate -> solve -> (plan, checked across ranks) -> localize
     -> checkpoint and partition (untiled and tiled ladders) -> (schedule checked) -> compile
 
 Each pass is a function of the graph and one ``SpContext``; ``_run`` wraps each once for
@@ -27,7 +27,14 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from .._context import Options, SpContext
 from ..errors import collective_error
-from ..partition import checkpoint_partition, fold_kv_repeats, gathers_at_first_use, localize, plan_tiles
+from ..partition import (
+    checkpoint_partition,
+    fold_kv_repeats,
+    gathers_at_first_use,
+    localize,
+    plan_tiles,
+    replicate_kv_heads,
+)
 from ..propagate import propagate, solve
 from ._checks import check_same_plan, check_same_schedule, largest_peaks
 from ._plan import Plan, build_plan
@@ -124,6 +131,7 @@ def make_backend(mesh, options: Options, on_plan: Callable[[Plan], None] | None 
 
     def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs, **kwargs):
         folded = _run("fold K/V repeats", fold_kv_repeats, joint, ctx.n)
+        folded += _run("replicate K/V heads", replicate_kv_heads, joint, ctx)
         candidates = _run("propagate", propagate, joint, ctx)
         choice = _run("solve", solve, joint, candidates, ctx)
         plan = _run("plan", build_plan, joint, choice, ctx.n, tuple(folded))

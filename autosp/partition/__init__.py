@@ -4,7 +4,7 @@ the checkpointing decision and the memory it predicts."""
 from ._checkpoint import Checkpoint, Rung, RungSpec, checkpoint_partition
 from ._collectives import redistribute
 from ._fsdp import fsdp_notes, gathers_at_first_use
-from ._gqa import fold_kv_repeats
+from ._gqa import fold_kv_repeats, replicate_kv_heads
 from ._localize import localize
 from ._memory import MemoryEstimate
 from ._tiling import Tiling, plan_tiles
@@ -18,6 +18,7 @@ __all__ = [
     "fsdp_notes",
     "gathers_at_first_use",
     "fold_kv_repeats",
+    "replicate_kv_heads",
     "localize",
     "MemoryEstimate",
     "Tiling",

@@ -1,4 +1,5 @@
-"""Grouped-query attention without repeated K/V.
+"""Grouped-query attention: K/V repeats folded into the kernel where the K/V heads split over the
+ranks, and K/V heads replicated where they do not but the query heads do.
 
 Models with fewer K/V heads than query heads often repeat K and V up to the query head count
 before attention (Hugging Face's ``repeat_kv``, ``repeat_interleave(k, rep, dim=1)``). In the
@@ -14,21 +15,33 @@ Folded only where nothing is lost: the K/V heads split evenly over the sp ranks 
 is what lets Ulysses split the heads), and the repeated K/V feed nothing but the attention ops.
 When the gradient chain is not the exact mirror of the repeat, only the forward is folded and the
 backward keeps the repeated K/V.
+
+The other way round (``replicate_kv_heads``): where the query heads split over the n ranks and
+the K/V heads inside the op do not (4 query and 2 K/V heads on 4 ranks), heads cannot split as
+they are, and attention would run as a ring. Repeating each K/V head lcm(KV, n) / KV times before
+the op (each rank then receives the K/V heads its query heads read, as DeepSpeed ALST replicates
+them) lets Ulysses split the heads; the K/V gradients are summed back over the copies. The pass
+takes this where its all-to-alls send fewer bytes than the ring (and the hybrid, on a 2D mesh),
+by the same byte counts the solver uses, or where attention="ulysses" is forced.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
 import torch.fx as fx
 
+from .._context import Kernel, SpContext
 from .._graph import SDPA_CPU as _FWD
 from .._graph import SDPA_CPU_BACKWARD as _BWD
-from .._graph import out_vals
+from .._graph import nbytes, out_vals
 from ..errors import source_line
+from ..propagate._attention import heads_split, hybrid_bytes, is_causal, ring_bytes, seq_attention_ok
+from ..propagate._placement import transfer_bytes
 
-__all__ = ["fold_kv_repeats"]
+__all__ = ["fold_kv_repeats", "replicate_kv_heads"]
 
 aten = torch.ops.aten
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -137,6 +150,96 @@ def fold_kv_repeats(gm: fx.GraphModule, n: int) -> list[str]:
                 else "are not built in the forward; the backward rebuilds them (its gradient chain is not the "
                 "repeat's mirror)"
             )
+        )
+    if notes:
+        g.lint()
+        gm.recompile()
+    return notes
+
+
+# ---------------------------------------------------------------------------------------------
+# K/V heads replicated for Ulysses
+
+_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "partitioner_tag")
+
+
+def _node(g: fx.Graph, target, args: tuple, like: fx.Node, **kwargs) -> fx.Node:
+    """A new node computing ``target(*args, **kwargs)``, with ``like``'s place in the user's code
+    and model (what the checkpointing pass and the error messages read) and its value on the fake
+    inputs."""
+    nd = g.call_function(target, args, kwargs)
+    nd.meta.update({k: like.meta[k] for k in _META if k in like.meta})
+    nd.meta["val"] = target(*[out_vals(a)[0] if isinstance(a, fx.Node) else a for a in args], **kwargs)
+    return nd
+
+
+def _repeat(g: fx.Graph, x: fx.Node, rep: int, before: fx.Node) -> fx.Node:
+    """(B, KV, S, D) -> (B, KV * rep, S, D), head j being ``x``'s head j // rep (``repeat_kv``)."""
+    B, KV, S, D = out_vals(x)[0].shape
+    with g.inserting_before(before):
+        e = _node(g, aten.expand.default, (_node(g, aten.unsqueeze.default, (x, 2), x), [B, KV, rep, S, D]), x)
+        c = _node(g, aten.clone.default, (e,), x, memory_format=torch.contiguous_format)
+        return _node(g, aten.view.default, (c, [B, KV * rep, S, D]), x)
+
+
+def _sum_copies(g: fx.Graph, grad: fx.Node, rep: int) -> fx.Node:
+    """The gradient of ``_repeat``: (B, KV * rep, S, D) summed over each head's copies."""
+    B, H, S, D = out_vals(grad)[0].shape
+    with g.inserting_after(grad):
+        v = _node(g, aten.view.default, (grad, [B, H // rep, rep, S, D]), grad)
+    with g.inserting_after(v):
+        s = _node(g, aten.sum.dim_IntList, (v, [2]), grad)
+    grad.replace_all_uses_with(s, delete_user_cb=lambda u: u is not v)
+    return s
+
+
+def _a2a(x, n: int) -> float:
+    return transfer_bytes("all_to_all", nbytes(x), n)
+
+
+def _replicated_is_cheaper(fwd: fx.Node, q, k, v, rep: int, ctx: SpContext) -> bool:
+    """Ulysses on the replicated K/V (q, K, V and the output all-to-all'd each way) against ring
+    attention and, on a 2D mesh, hybrid attention on the heads as they are."""
+    n = ctx.n
+    out = q.new_empty([*q.shape[:3], v.shape[3]])
+    ulysses = 2 * (_a2a(q, n) + rep * (_a2a(k, n) + _a2a(v, n)) + _a2a(out, n))
+    others = [math.inf]
+    if seq_attention_ok(fwd, q, k):
+        others.append(sum(ring_bytes(q, k, v, n, is_causal(fwd))))
+        u = ctx.ulysses
+        if u > 1 and q.shape[2] % n == 0 and q.shape[1] % u == 0 and k.shape[1] % u == 0:
+            others.append(sum(hybrid_bytes(q, k, v, n, u, is_causal(fwd))))
+    return ulysses <= min(others)
+
+
+def replicate_kv_heads(gm: fx.GraphModule, ctx: SpContext) -> list[str]:
+    """Repeat K/V heads where only that lets Ulysses split the heads, and it is the cheaper plan
+    (see the module docstring), in place. Returns a note per attention op."""
+    n, g, notes = ctx.n, gm.graph, []
+    if ctx.options.attention not in ("auto", Kernel.ULYSSES):
+        return notes
+    for fwd in list(g.find_nodes(op="call_function", target=_FWD)):
+        k, v = fwd.args[1], fwd.args[2]
+        q_, k_, v_ = (out_vals(a)[0] for a in fwd.args[:3])
+        H, KV = q_.shape[1], k_.shape[1]
+        if heads_split(q_, k_, n) or H % n or n > H or KV % n == 0 or H % KV:
+            continue
+        rep = math.lcm(KV, n) // KV
+        if ctx.options.attention == "auto" and not _replicated_is_cheaper(fwd, q_, k_, v_, rep, ctx):
+            continue
+        kr, vr = _repeat(g, k, rep, fwd), _repeat(g, v, rep, fwd)
+        fwd.args = (fwd.args[0], kr, vr, *fwd.args[3:])
+        for bwd in [u for u in k.users if u.target is _BWD and u.args[2] is k and u.args[3] is v]:
+            bwd.args = (*bwd.args[:2], kr, vr, *bwd.args[4:])
+            fake = lambda a: out_vals(a)[0] if isinstance(a, fx.Node) else a  # noqa: E731
+            bwd.meta["val"] = vals = bwd.target(*map(fake, bwd.args), **{key: fake(a) for key, a in bwd.kwargs.items()})
+            for out in [u for u in bwd.users if u.target is operator.getitem and u.args[1] in (1, 2)]:
+                out.meta["val"] = vals[out.args[1]]
+                _sum_copies(g, out, rep)
+        notes.append(
+            f"attention at {source_line(fwd)}: {H} query / {KV} K/V heads: the K/V heads are replicated "
+            f"{rep}x before the op so that Ulysses splits the heads (each rank gets the K/V heads its query "
+            "heads read), fewer bytes than ring attention on the heads as they are"
         )
     if notes:
         g.lint()

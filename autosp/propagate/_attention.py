@@ -28,6 +28,7 @@ from ._strategy import Sets, Strategy, provenance, rule
 
 __all__ = [
     "heads_split",
+    "seq_attention_ok",
     "is_causal",
     "hybrid_strategies",
     "ring_bytes",
@@ -70,7 +71,7 @@ def heads_split(q, k, n) -> bool:
     return (H % n == 0 and KV % n == 0) or (H == KV and n <= H)
 
 
-def _seq_attention_ok(node, q, k) -> bool:
+def seq_attention_ok(node, q, k) -> bool:
     """Whether attention can run with the query sequence-sharded (K/V gathered, or passed around
     a ring): self-attention (the causal diagonal is where the query shard sits), a mask with a row
     per query and a column per key if any, and no dropout. ``autosp.partition._attention`` runs
@@ -94,7 +95,7 @@ def _seq_strategies(node, q, k, v, n, backward: bool) -> list[Strategy]:
     """Sequence-sharded attention, offered wherever it is exact: ring attention, and attention
     against all-gathered K/V (which holds whole K/V on every rank, saved for the backward). The
     solver weighs them against Ulysses by the bytes each sends and holds."""
-    if not _seq_attention_ok(node, q, k):
+    if not seq_attention_ok(node, q, k):
         return []
     fwd, bwd = ring_bytes(q, k, v, n, is_causal(node))
     s2 = shard(2)
@@ -122,7 +123,7 @@ def hybrid_strategies(node: fx.Node, A: Sets, n: int, u: int) -> list[Strategy]:
     q, k, v = (_val(a) for a in (node.args[:3] if fwd else node.args[1:4]))
     if (
         shard(2) not in A[0 if fwd else 1]
-        or not _seq_attention_ok(node, q, k)
+        or not seq_attention_ok(node, q, k)
         or q.shape[2] % n
         or q.shape[1] % u
         or k.shape[1] % u

@@ -105,7 +105,8 @@ def _gloo_events(prof) -> list[tuple[str, int]]:
 
 def comm(kind: str, b: int, L: int, checkpoint="auto") -> dict:
     """The collectives gloo ran in one training step (after a warm-up step), for autosp and for
-    hand-written Ulysses on the same model and batch: [(event name, elements)]."""
+    hand-written Ulysses on the same model and batch: [(event name, elements)]. autosp's step
+    without its input check ("autosp", what the plan runs) and with it ("autosp_checked")."""
     from examples.ulysses import allreduce_grads, ulysses_loss
 
     torch.manual_seed(0)
@@ -113,13 +114,17 @@ def comm(kind: str, b: int, L: int, checkpoint="auto") -> dict:
     ids, labels = batch(kind, b, L, seed=0)
     res = {}
     with autosp.mesh():
-        step = autosp.shard(
-            lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager", checkpoint=checkpoint
-        )
-        step(ids, labels).backward()
-        with torch.profiler.profile(record_shapes=True) as prof:
+        for key, check in (("autosp", False), ("autosp_checked", True)):
+            step = autosp.shard(
+                lambda input_ids, labels: model(input_ids, labels),
+                compiler="aot_eager",
+                checkpoint=checkpoint,
+                check_inputs=check,
+            )
             step(ids, labels).backward()
-        res["autosp"] = _gloo_events(prof)
+            with torch.profiler.profile(record_shapes=True) as prof:
+                step(ids, labels).backward()
+            res[key] = _gloo_events(prof)
         res["plan"] = [(c.kind, c.backward, c.shape) for c in step.plan.collectives]
     model.zero_grad()
     local, _ = ulysses_loss(model, ids, labels)

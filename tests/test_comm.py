@@ -26,6 +26,9 @@ def test_gloo_traffic_is_at_most_hand_written_ulysses(pools, kind, b):
     assert auto["gloo:all_reduce"] <= 2 < uly["gloo:all_reduce"]
     # the profiler and the plan agree on the all-to-alls that ran
     assert sum(1 for kind, _, _ in r["plan"] if kind == "all_to_all") == auto["gloo:all_to_all"]
+    # the input check adds two all-gathers of a few integers (the count, then 3 per input tensor)
+    extra = Counter(r["autosp_checked"]) - Counter(r["autosp"])
+    assert extra == Counter({("gloo:all_gather", 1): 1, ("gloo:all_gather", 2 * 3): 1}), extra
 
 
 @pytest.mark.parametrize("world", [2, 4])

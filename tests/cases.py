@@ -171,11 +171,11 @@ def work(kind: str, b: int, L: int) -> dict:
     return {"flops": (sharded[0], single[0]), "saved": (sharded[1], single[1])}
 
 
-def _step_error(kind: str, b: int, L: int, check_inputs: bool = True, **mesh_kwargs) -> str:
+def _step_error(kind: str, b: int, L: int, check_inputs: bool = True, seed: int = 0, **mesh_kwargs) -> str:
     """Run one sharded step; return the error it raised, or "no error"."""
     torch.manual_seed(0)
     model = MODELS[kind]()
-    ids, labels = batch(kind, b, L, seed=0)
+    ids, labels = batch(kind, b, L, seed=seed)
     with autosp.mesh(**mesh_kwargs):
         step = autosp.shard(
             lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager", check_inputs=check_inputs
@@ -262,19 +262,9 @@ def inputs_per_rank(dp: int, differ_in_group: bool, check: bool = True) -> str:
     """A step whose ranks get their dp replica's batch (dp replicas differ, as a sampler over dp
     hands them out); with ``differ_in_group`` the last rank's batch also differs from the rest of
     its sp group (a sampler over every rank): the error each rank raises, or "no error"."""
-    torch.manual_seed(0)
-    model = MODELS["llama"]()
-    with autosp.mesh(dp=dp) as m:
-        seed = m.dp_rank + (100 if differ_in_group and dist.get_rank() == dist.get_world_size() - 1 else 0)
-        ids, labels = batch("llama", 1, 64, seed=seed)
-        step = autosp.shard(
-            lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager", check_inputs=check
-        )
-        try:
-            step(ids, labels).backward()
-        except Exception as e:
-            return f"{type(e).__name__}: {e}"
-    return "no error"
+    r, world = dist.get_rank(), dist.get_world_size()
+    seed = r // (world // dp) + (100 if differ_in_group and r == world - 1 else 0)  # the mesh is (dp, sp)
+    return _step_error("llama", 1, 64, check, seed=seed, dp=dp)
 
 
 def annotated_exactness() -> tuple[float, float, list]:

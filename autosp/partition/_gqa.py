@@ -79,6 +79,16 @@ def _repeated(nd) -> tuple[fx.Node, int] | None:
     return src, rep
 
 
+def _fake(a):
+    return out_vals(a)[0] if isinstance(a, fx.Node) else a
+
+
+def _rerun(nd: fx.Node):
+    """The node's op on its (new) inputs' fake values: its outputs' new shapes (fake tensors
+    dispatch to their own mode)."""
+    return nd.target(*map(_fake, nd.args), **{key: _fake(a) for key, a in nd.kwargs.items()})
+
+
 def _summed(grad: fx.Node, rep: int) -> fx.Node | None:
     """The end of the repeat's gradient chain view(B, KV, rep, S, D) -> sum(2, keepdim) -> squeeze(2)
     hanging alone off ``grad``, or None."""
@@ -126,9 +136,7 @@ def fold_kv_repeats(gm: fx.GraphModule, n: int) -> list[str]:
                 kept += 1  # this backward keeps the repeated K/V
                 continue
             bwd.args = (*bwd.args[:2], ks, vs, *bwd.args[4:])
-            # the kernel's outputs on the fake inputs (fake tensors dispatch to their own mode)
-            fake = lambda a: out_vals(a)[0] if isinstance(a, fx.Node) else a  # noqa: E731
-            bwd.meta["val"] = vals = bwd.target(*map(fake, bwd.args), **{key: fake(a) for key, a in bwd.kwargs.items()})
+            bwd.meta["val"] = vals = _rerun(bwd)
             for i, end in ends.items():
                 outs[i].meta["val"] = vals[i]
                 end.replace_all_uses_with(outs[i])
@@ -169,7 +177,7 @@ def _node(g: fx.Graph, target, args: tuple, like: fx.Node, **kwargs) -> fx.Node:
     inputs."""
     nd = g.call_function(target, args, kwargs)
     nd.meta.update({k: like.meta[k] for k in _META if k in like.meta})
-    nd.meta["val"] = target(*[out_vals(a)[0] if isinstance(a, fx.Node) else a for a in args], **kwargs)
+    nd.meta["val"] = _rerun(nd)
     return nd
 
 
@@ -231,8 +239,7 @@ def replicate_kv_heads(gm: fx.GraphModule, ctx: SpContext) -> list[str]:
         fwd.args = (fwd.args[0], kr, vr, *fwd.args[3:])
         for bwd in [u for u in k.users if u.target is _BWD and u.args[2] is k and u.args[3] is v]:
             bwd.args = (*bwd.args[:2], kr, vr, *bwd.args[4:])
-            fake = lambda a: out_vals(a)[0] if isinstance(a, fx.Node) else a  # noqa: E731
-            bwd.meta["val"] = vals = bwd.target(*map(fake, bwd.args), **{key: fake(a) for key, a in bwd.kwargs.items()})
+            bwd.meta["val"] = vals = _rerun(bwd)
             for out in [u for u in bwd.users if u.target is operator.getitem and u.args[1] in (1, 2)]:
                 out.meta["val"] = vals[out.args[1]]
                 _sum_copies(g, out, rep)

@@ -137,7 +137,8 @@ def test_kv_heads_that_do_not_split_are_replicated_for_ulysses(fake_world):
     def attention_bytes(p):
         return sum(c.bytes_per_rank for c in p.collectives if c.kind in ("all_to_all", "ring"))
 
-    assert attention_bytes(plan) < 0.6 * attention_bytes(ring), (attention_bytes(plan), attention_bytes(ring))
+    ratio = attention_bytes(plan) / attention_bytes(ring)
+    assert ratio == pytest.approx(0.53, abs=0.01), ratio  # the figure docs/attention.md states
     hand_written = 8 * LAYERS * (L * 64 * 4) / 4 * 3 / 4  # q, k, v, o at 4 heads, each way
     assert attention_bytes(plan) == pytest.approx(1.25 * hand_written)
 

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import os
 
+import torch
 import torch.fx as fx
 
 from ._graph import out_vals
 
-__all__ = ["PlanError", "UnsupportedOpError", "GraphBreakError", "source_line", "collective_error"]
+__all__ = ["PlanError", "UnsupportedOpError", "GraphBreakError", "source_line", "collective_error", "peer_lost"]
 
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 
 
 def source_line(node: fx.Node | None) -> str:
@@ -21,10 +23,12 @@ def source_line(node: fx.Node | None) -> str:
 
 
 def user_frame(trace: str, package: str = _PACKAGE) -> str:
-    """'file.py:12, in fn: code' for the innermost frame of a printed traceback that is not in
-    ``package``; "" when there is none."""
+    """'file.py:12, in fn: code' for the innermost frame of a printed traceback that is neither in
+    ``package`` nor in torch (``F.pad`` is the user's line, not torch's ``functional.py``), else
+    the innermost outside ``package``; "" when there is none."""
     lines = [line.strip() for line in trace.strip().splitlines() if line.strip()]
     frames = [i for i, line in enumerate(lines) if line.startswith("File ") and package not in line]
+    frames = [i for i in frames if _TORCH not in lines[i]] or frames
     if not frames:
         return ""
     i = frames[-1]
@@ -62,11 +66,16 @@ class GraphBreakError(PlanError):
 _PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe")
 
 
+def peer_lost(e: BaseException) -> bool:
+    """Whether a collective failed because another rank's connection went away."""
+    return any(x in str(e).lower() for x in _PEER_LOST)
+
+
 def collective_error(e: RuntimeError) -> PlanError | None:
     """autosp's error for a collective of a sharded step that failed at run time (another rank
     stopped, or did not arrive within the mesh's timeout); None for any other error."""
     text, first = str(e).lower(), (str(e).strip().splitlines() or [""])[0][:200]
-    if any(x in text for x in _PEER_LOST):
+    if peer_lost(e):
         return PlanError(
             None,
             f"another rank stopped while this one was in a collective of the sharded step ({first})",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..errors import PlanError
+from ..errors import PlanError, collective_error, peer_lost
 
 __all__ = ["check_same_inputs"]
 
@@ -32,6 +32,8 @@ def _all_gather(t: torch.Tensor) -> list[torch.Tensor]:
     try:
         dist.all_gather(out, t)
     except RuntimeError as e:  # the first rendezvous of a step: a rank that never comes times it out
+        if peer_lost(e):  # or a rank that stopped: its connection is gone
+            raise collective_error(e) from None
         raise PlanError(
             None,
             f"not every rank called this step within the mesh's timeout ({str(e).strip().splitlines()[0][:200]})",

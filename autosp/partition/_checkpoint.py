@@ -404,6 +404,20 @@ def _settled(policy, rung: Rung) -> bool:
     return isinstance(policy, int) and rung.memory.peak <= policy
 
 
+def _drop_dead_collectives(gm: fx.GraphModule) -> None:
+    """Remove collectives whose result nothing reads. The partitioner can carry the loss's
+    all-reduce into the backward with the recomputed loss ops (a wait is never dead code to fx),
+    and on some ranks only: its choice depends on the local sizes, and ranks that issue different
+    collectives hang."""
+    dead = [nd for nd in gm.graph.nodes if nd.target is torch.ops._c10d_functional.wait_tensor.default and not nd.users]
+    if not dead:
+        return
+    for nd in dead:
+        gm.graph.erase_node(nd)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+
+
 @dataclass(frozen=True)
 class _Partitioner:
     """AOTAutograd's min-cut partitioner on a tagged copy of a graph, and the rung it makes: the
@@ -421,6 +435,7 @@ class _Partitioner:
         fw, bw = partitioners.min_cut_rematerialization_partition(
             g, self.joint_inputs, num_fwd_outputs=self.num_fwd_outputs, **self.kwargs
         )
+        _drop_dead_collectives(bw)
         memory = estimate_memory(fw, bw, self.num_fwd_outputs)
         return Rung(spec, memory, ladder.recompute_cost(fw, bw) + extra, self.step, self.attention), fw, bw
 

@@ -1,5 +1,6 @@
 """What one compile is asked for (``Options``) and where it runs (``SpContext``), and the names of
-the attention kernels (``Kernel``). A leaf: every stage reads these, none writes them."""
+the per-rank kernels (``Kernel``: attention's, and the halo exchange of a shift). A leaf: every
+stage reads these, none writes them."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ __all__ = ["Kernel", "ATTENTION_CHOICES", "Options", "SpContext", "check_policy"
 
 
 class Kernel(enum.StrEnum):
-    """How an attention op runs per rank (a strategy's ``kernel``)."""
+    """How an op runs per rank when it communicates inside (a strategy's ``kernel``)."""
 
     ULYSSES = "ulysses"  # heads split over the ranks, all-to-alls around the op
     BATCH = "batch"  # the batch split over the ranks
     KV_GATHER = "kv_gather"  # query sequence-sharded, K/V all-gathered
     RING = "ring"  # query sequence-sharded, K/V chunks passed around the ranks
     HYBRID = "hybrid"  # Ulysses within sub-groups of a 2D sp mesh, ring across them
+    HALO = "halo"  # not attention: a shift along the sequence, boundary rows from the neighbours
 
 
 # what ``shard(attention=...)`` accepts: chosen by cost, or one kernel forced

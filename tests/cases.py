@@ -337,6 +337,76 @@ def reduction_exactness(kind: str, b: int, L: int) -> dict:
     }
 
 
+def _token_shift(h, pad):
+    """RWKV's token shift: each position mixes in the previous one's features."""
+    return h + 0.5 * (pad(h) - h)
+
+
+def _causal_conv_by_slices(h, k: int = 3):
+    """A causal depthwise convolution written as a sum of shifted slices of the left-padded input."""
+    L = h.shape[1]
+    hp = torch.nn.functional.pad(h, (0, 0, k - 1, 0))
+    return sum((t + 1) / k * hp[:, t : t + L] for t in range(k))
+
+
+def _conv(conv, h, L=None):
+    """A 1-d convolution over the sequence of (batch, sequence, channels), cut to ``L`` rows."""
+    return conv(h.transpose(1, 2))[..., :L].transpose(1, 2)
+
+
+# Shifts along the sequence as users write them, each (hidden, input_ids, modules) -> (logits-to-be,
+# targets): the logits-shift loss, a token shift (F.pad, ZeroPad2d), a causal convolution by
+# slices, a slice with both ends, a pad with a value, and convolution modules along the sequence:
+# Mamba's causal depthwise one (padded by k - 1 each side, cut to the length) and a dense, dilated,
+# "same"-padded one
+SHIFTS = {
+    "logits_shift": lambda h, ids, m: (h[:, :-1], ids[:, 1:]),
+    "token_shift_pad": lambda h, ids, m: (_token_shift(h, lambda x: torch.nn.functional.pad(x, (0, 0, 1, -1))), ids),
+    "token_shift_zeropad2d": lambda h, ids, m: (_token_shift(h, torch.nn.ZeroPad2d((0, 0, 1, -1))), ids),
+    "conv_by_slices": lambda h, ids, m: (_causal_conv_by_slices(h), ids),
+    "slice_both_ends": lambda h, ids, m: (h[:, 2:-1], ids[:, 1:-2]),
+    "pad_value": lambda h, ids, m: (torch.nn.functional.pad(h, (0, 0, 2, 1), value=0.25)[:, 3:], ids),
+    "conv1d_causal": lambda h, ids, m: (torch.nn.functional.silu(_conv(m[3], h, h.shape[1])), ids),
+    "conv1d_same_dilated": lambda h, ids, m: (_conv(m[4], h), ids),
+}
+
+
+def shift_exactness(kind: str, b: int, L: int) -> dict:
+    """An embedding, a linear layer, ``SHIFTS[kind]`` along the sequence, a head and a
+    cross-entropy: loss and gradients against one device, and the plan's collectives as
+    (kind, source placement)."""
+    torch.manual_seed(0)
+    nn = torch.nn
+    model = nn.ModuleList(
+        [
+            nn.Embedding(64, 16),
+            nn.Linear(16, 16),
+            nn.Linear(16, 64),
+            nn.Conv1d(16, 16, 4, groups=16, padding=3),
+            nn.Conv1d(16, 16, 3, padding=2, dilation=2),
+        ]
+    )
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (b, L), generator=torch.Generator().manual_seed(1))
+
+    def fn(m, ids):
+        h, targets = SHIFTS[kind](m[1](m[0](ids)), ids, m)
+        return torch.nn.functional.cross_entropy(m[2](h).flatten(0, 1), targets.flatten())
+
+    with autosp.mesh():
+        step = autosp.shard(lambda ids: fn(model, ids), compiler="aot_eager")
+        loss = step(ids)
+        loss.backward()
+    loss_ref = fn(ref, ids)
+    loss_ref.backward()
+    return {
+        "loss": (loss.item(), loss_ref.item()),
+        "grad_err": _grad_errors(model, ref),
+        "collectives": sorted({(c.kind, c.src) for c in step.plan.collectives}),
+        "halo_bytes": [c.bytes_per_rank for c in step.plan.collectives if c.kind == "halo"],
+    }
+
+
 def _hf_compare(model, ref, ids: torch.Tensor, labels: torch.Tensor, attention: str = "auto", **kwargs) -> dict:
     """Train one step of an HF causal LM through autosp and the same on one device; the loss pair,
     each gradient's relative error (``_grad_errors``: an attention key bias's gradient is zero in

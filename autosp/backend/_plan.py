@@ -129,6 +129,24 @@ def build_plan(joint: fx.GraphModule, choice: Choice, n: int, notes: tuple[str, 
                     nd in backward or u in backward,
                 )
             )
+        if nd is not out_node and plan[nd].kernel == Kernel.HALO and plan[nd].comm:  # boundary rows
+            v = out_vals(nd)[0]
+            p = str(plan[nd].outs[0])
+            colls.append(
+                Collective(
+                    "halo",
+                    p,
+                    p,
+                    tuple(v.shape),
+                    _dtype(v),
+                    plan[nd].comm,
+                    nd.args[0].name,
+                    nd.name,
+                    str(nd.target),
+                    source_line(nd),
+                    nd in backward,
+                )
+            )
         if nd is not out_node and plan[nd].kernel in (Kernel.RING, Kernel.HYBRID):  # exchanges inside the kernel
             kv = out_vals(nd.args[2 if is_attention_backward(nd.target) else 1])[0]
             colls.append(

@@ -5,10 +5,11 @@ into an ATen graph (make_fx) that AOTAutograd's partitioner then splits.
 ``Localizer`` is the interpreter: each node's inputs are redistributed to the placements its
 strategy requires, then the op runs on them. A few ops run otherwise per rank: ``OVERRIDES``,
 keyed by op (dropout draws its own shard's mask; FSDP2's gradient reduce counts a replicated
-gradient once), and ``SEQUENCE_KERNELS``, keyed by the strategy's kernel (attention on this
-rank's query rows). ``localize`` composes, in one trace, the interpreter, the tiling of its ops
-along the sequence when one is given (``_tiling``), and the outputs placed as one device returns
-them (``_outputs``: gradients summed over sp, averaged over dp).
+gradient once), and ``KERNELS``, keyed by the strategy's kernel (attention on this rank's query
+rows; a shift along the sequence as a halo exchange, ``_shift``). ``localize`` composes, in one
+trace, the interpreter, the tiling of its ops along the sequence when one is given
+(``_tiling``), and the outputs placed as one device returns them (``_outputs``: gradients summed
+over sp, averaged over dp).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ._collectives import redistribute
 from ._fsdp import REDUCE, fsdp_reduce_call
 from ._outputs import output_specs, place_outputs
 from ._random import dropout_call
+from ._shift import HALO_KERNELS
 from ._tiling import SHAPE_ARG, TileRunner, Tiling
 
 __all__ = ["Localizer", "localize", "OVERRIDES"]
@@ -40,6 +42,7 @@ aten = torch.ops.aten
 
 # op -> its per-rank call: (node, strategy, target, args, kwargs, ctx) -> (target, args, kwargs)
 OVERRIDES = {aten.native_dropout.default: dropout_call, REDUCE: fsdp_reduce_call}
+KERNELS = {**SEQUENCE_KERNELS, **HALO_KERNELS}  # strategy kernel -> its per-rank call
 _PASS_THROUGH = (operator.getitem, ANNOTATE)  # their (redistributed) input is their value
 # the global graph's strides allowed a view; a collective's output may not
 _VIEWS = (aten.view.default, aten._unsafe_view.default)
@@ -98,7 +101,7 @@ class Localizer(fx.Interpreter):
                 shape[tile[0]] = tile[1]
             args = (args[0], shape, *args[2:])
         target = nd.target
-        override = SEQUENCE_KERNELS.get(s.kernel) or OVERRIDES.get(target)
+        override = KERNELS.get(s.kernel) or OVERRIDES.get(target)
         if override is not None:
             target, args, kwargs = override(nd, s, target, args, kwargs, self.ctx)
         if target in _VIEWS:

@@ -1,11 +1,12 @@
 """Propagation: the sharding rules, the candidates of every node, the whole-graph solver, and
-placement helpers. Importing it registers every rule (``_rules``, ``_attention``, ``_annotate``)."""
+placement helpers. Importing it registers every rule (``_rules``, ``_attention``, ``_shift``, ``_annotate``)."""
 
 from ._annotate import ANNOTATE
 from ._attention import attention_notes, hybrid_bytes, ring_bytes
 from ._placement import local_shape, parse_placement, placement_str, redistribute_kind, transfer_bytes
 from ._propagate import Candidates, propagate
 from ._rules import strategies_for
+from ._shift import Window, halo_pieces, window_of
 from ._solver import Choice, solve
 from ._strategy import RULES, Strategy, rule
 
@@ -22,6 +23,9 @@ __all__ = [
     "attention_notes",
     "ring_bytes",
     "hybrid_bytes",
+    "Window",
+    "halo_pieces",
+    "window_of",
     "local_shape",
     "parse_placement",
     "placement_str",

@@ -470,41 +470,10 @@ def _select(node, A, n):
     return _dim_map_rule(node, A, n, [d for d in range(nd) if d != dim], blocked=[dim])
 
 
-def _full_slice(size: int, start, end, step) -> bool:
-    return (start in (None, 0)) and (end is None or end >= size) and step in (None, 1)
-
-
-@rule(aten.slice.Tensor)
-def _slice(node, A, n):
-    x = _val(node.args[0])
-    args = list(node.args) + [0, None, None, 1][len(node.args) - 1 :]
-    dim, start, end, step = args[1] % x.ndim, args[2], args[3], args[4]
-    blocked = [] if _full_slice(x.shape[dim], start, end, step) else [dim]
-    return _dim_map_rule(node, A, n, list(range(x.ndim)), blocked=blocked)
-
-
-@rule(aten.slice_backward.default)
-def _slice_bwd(node, A, n):
-    sizes, dim, start, end, step = node.args[1:6]
-    nd = len(sizes)
-    dim %= nd
-    blocked = [] if _full_slice(sizes[dim], start, end, step) else [dim]
-    return _dim_map_rule(node, A, n, list(range(nd)), blocked=blocked)
-
-
 @rule(aten.select_backward.default)
 def _select_bwd(node, A, n):
     sizes, dim = node.args[1], node.args[2] % len(node.args[1])
     return _dim_map_rule(node, A, n, [None if e == dim else (e if e < dim else e - 1) for e in range(len(sizes))])
-
-
-@rule(aten.constant_pad_nd.default)
-def _pad(node, A, n):
-    x = _val(node.args[0])
-    pad = node.args[1]
-    padded = [x.ndim - 1 - i // 2 for i in range(len(pad)) if pad[i] != 0]
-    value = node.args[2] if len(node.args) > 2 else 0
-    return _dim_map_rule(node, A, n, list(range(x.ndim)), blocked=padded, linear=value == 0)
 
 
 @rule(aten.cat.default)

@@ -30,7 +30,7 @@ import torch.fx as fx
 from scipy.optimize import LinearConstraint, milp
 from scipy.sparse import coo_array
 
-from .._context import SpContext
+from .._context import Kernel, SpContext
 from .._graph import nbytes, out_vals, tensor_inputs
 from ..errors import PlanError, UnsupportedOpError
 from ._annotate import ANNOTATE
@@ -181,6 +181,15 @@ def _check_no_rule(c: Candidates, chosen: dict[fx.Node, Strategy]) -> None:
                 )
 
 
+def _kernel_cost(s: Strategy, mem_weight: float) -> float:
+    """A kernel's own traffic and buffers. Attention's (ring attention's K/V passes, gathered K/V
+    held for the backward) are K/V-sized: they carry the sequence once. A halo exchange's are
+    boundary rows, whatever the length, and one collective."""
+    if s.kernel == Kernel.HALO:
+        return s.comm + (LATENCY_BYTES if s.comm else 0.0)
+    return (s.comm + mem_weight * s.held) * SEQ_WEIGHT
+
+
 def solve(gm: fx.GraphModule, c: Candidates, ctx: SpContext) -> Choice:
     """One strategy per node of ``gm`` from its candidates ``c``, for the least cost of the whole
     graph (see the module docstring); raises ``PlanError`` where no exact plan exists."""
@@ -189,11 +198,8 @@ def solve(gm: fx.GraphModule, c: Candidates, ctx: SpContext) -> Choice:
     prog = _Program()
     choose: dict[fx.Node, list[int]] = {}  # node -> its strategies' variables
     for nd in nodes:
-        # a kernel's own traffic and buffers (ring attention's K/V passes, gathered K/V held for
-        # the backward) are K/V-sized: they carry the sequence once
         choose[nd] = [
-            prog.var(mem_weight * _out_bytes(c, nd, s, n) + (s.comm + mem_weight * s.held) * SEQ_WEIGHT)
-            for s in c.strategies[nd]
+            prog.var(mem_weight * _out_bytes(c, nd, s, n) + _kernel_cost(s, mem_weight)) for s in c.strategies[nd]
         ]
     for nd in nodes:
         if not c.strategies[nd]:

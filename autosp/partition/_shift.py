@@ -1,0 +1,119 @@
+"""The per-rank call of a shift along the sharded dim (``propagate._shift``): this rank's output
+rows from its own input rows and the boundary rows its neighbours send, in one all-to-all that
+carries only those rows (skipped on every rank when no rank needs another's rows), with the
+window's fill where the output reads past the input."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.distributed._functional_collectives as funcol
+
+from .._context import Kernel
+from ..propagate._placement import chunks, offsets
+from ..propagate._shift import Window, conv_windows, halo_pieces, window_of
+
+__all__ = ["shifted", "HALO_KERNELS"]
+
+
+def shifted(x: torch.Tensor, w: Window, n: int, rank: int, group) -> torch.Tensor:
+    """This rank's output rows of window ``w``, from ``x``, its rows of the input."""
+    d = w.dim
+    pieces = halo_pieces(w, n)
+    start = offsets(chunks(w.size_in, n))[rank]
+    shape = list(x.shape)
+    row = math.prod(shape[:d] + shape[d + 1 :])
+    got, recv_sizes = {}, []
+    if any(r != q for r, q, _, _ in pieces):
+        send = [(q, x.narrow(d, a - start, rows)) for r, q, a, rows in pieces if r == rank and q != rank]
+        send_sizes, recv_sizes = [0] * n, [0] * n
+        for q, t in send:
+            send_sizes[q] = t.numel()
+        for r, q, _, rows in pieces:
+            if q == rank and r != rank:
+                recv_sizes[r] = rows * row
+        buf = torch.cat([t.reshape(-1) for _, t in send]) if send else x.new_empty(0)
+        y = funcol.all_to_all_single(buf, recv_sizes, send_sizes, group)
+        got = dict(enumerate(y.split(recv_sizes)))
+    parts = []
+    for r, q, a, rows in pieces:
+        if q == rank:
+            parts.append(
+                x.narrow(d, a - start, rows) if r == rank else got[r].reshape(shape[:d] + [rows] + shape[d + 1 :])
+            )
+    size = chunks(w.size_out, n)[rank]
+    size += w.extra if size else 0
+    first = offsets(chunks(w.size_out, n))[rank] + w.offset  # the input row of this rank's first output row
+    before = min(max(-first, 0), size)
+    after = size - before - sum(p.shape[d] for p in parts)
+
+    def fill(rows):
+        return x.new_full(shape[:d] + [rows] + shape[d + 1 :], w.fill)
+
+    parts = ([fill(before)] if before else []) + parts + ([fill(after)] if after else [])
+    if got and not any(recv_sizes):  # the exchange's result must be read, or it is dead code on this rank only
+        parts.append(y.reshape(shape[:d] + [0] + shape[d + 1 :]))
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts, dim=d) if parts else fill(0)
+
+
+def _identity(x):
+    return x
+
+
+def _at_least(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with zero rows appended along dim 2 up to ``rows``: the CPU convolution kernels
+    refuse an input shorter than the kernel, which a rank with no rows of its own has. The
+    result still reads ``t``, so a rank's exchange is never dead code there alone."""
+    if t.shape[2] >= rows:
+        return t
+    return torch.cat([t, t.new_zeros(*t.shape[:2], rows - t.shape[2])], dim=2)
+
+
+def _convolution(nd, x, w, bias, stride, padding, dilation, transposed, output_padding, groups, *, ctx):
+    """This rank's output rows: the convolution, unpadded, on the input rows they read."""
+    win, _ = conv_windows(nd)
+    rows = chunks(win.size_out, ctx.n)[ctx.rank]
+    reach = win.extra
+    xw = _at_least(shifted(x, win, ctx.n, ctx.rank, ctx.group), reach + 1)
+    y = torch.ops.aten.convolution.default(xw, w, bias, stride, [0], dilation, False, output_padding, groups)
+    return y.narrow(2, 0, rows)
+
+
+def _convolution_backward(
+    nd, g, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask, *, ctx
+):
+    """The weight's and bias's partial gradients from this rank's output rows and the input rows
+    they read; the input's gradient for this rank's rows from the output-gradient rows that read
+    them (the backward of an unpadded convolution over that window, of which the rows past the
+    reach on either side are this rank's)."""
+    win, gwin = conv_windows(nd)
+    reach, n, rank, group = win.extra, ctx.n, ctx.rank, ctx.group
+    bwd = torch.ops.aten.convolution_backward.default
+    gi = gw = gb = None
+    if mask[1] or mask[2]:
+        g1 = _at_least(g, 1)
+        xw = _at_least(shifted(x, win, n, rank, group), g1.shape[2] + reach)
+        _, gw, gb = bwd(g1, xw, w, bias_sizes, stride, [0], dilation, False, [0], groups, [False, mask[1], mask[2]])
+    if mask[0]:
+        gg = _at_least(shifted(g, gwin, n, rank, group), 1)
+        xz = x.new_zeros(*x.shape[:2], gg.shape[2] + reach)
+        gi = bwd(gg, xz, w, bias_sizes, stride, [0], dilation, False, [0], groups, [True, False, False])[0]
+        gi = gi.narrow(2, reach, x.shape[2])
+    return gi, gw, gb
+
+
+def _halo_call(nd, s, target, args, kwargs, ctx):
+    """(call, args, kwargs) of an op run as a halo exchange: a slice, slice gradient or pad (the
+    window is the op's whole result), a convolution or its backward along the sequence."""
+    if target is torch.ops.aten.convolution.default:
+        return functools.partial(_convolution, nd, ctx=ctx), args, kwargs
+    if target is torch.ops.aten.convolution_backward.default:
+        return functools.partial(_convolution_backward, nd, ctx=ctx), args, kwargs
+    return _identity, (shifted(args[0], window_of(nd), ctx.n, ctx.rank, ctx.group),), {}
+
+
+HALO_KERNELS = {Kernel.HALO: _halo_call}

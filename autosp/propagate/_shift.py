@@ -1,0 +1,228 @@
+"""Shifts along a sharded dim as halo exchanges (GSPMD's halo): a slice with offsets, padding,
+and the slice's gradient move only the boundary rows each rank needs from the ranks that hold
+them, never the whole tensor.
+
+Each op is a window: output row j is input row ``j + offset`` where that lies in the input, else
+``fill`` (``Window``). Input and output are both split balanced (``chunks``) over their own
+lengths, so a rank's output rows mostly lie on the same rank's input: ``logits[:, :-1]`` over a
+length that divides by the ranks moves nothing, ``F.pad(x, (0, 0, 1, -1))`` (a token shift) one
+row per boundary. ``halo_pieces`` is the schedule every rank computes alike; ``partition._shift``
+runs it with one all-to-all (skipped when nothing moves). The rules here replace the ones that
+made these ops read their input whole (an all-gather of, e.g., the logits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .._context import Kernel
+from .._graph import out_vals
+from ._placement import P, R, chunks, offsets, shard, shard_specs
+from ._strategy import Sets, Strategy, dedup, rule
+
+__all__ = ["Window", "window_of", "halo_pieces", "halo_bytes", "conv_windows"]
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """Output row j along ``dim`` is input row ``j + offset`` when ``0 <= j + offset < size_in``,
+    else ``fill``; a rank with output rows a .. b reads input rows a + offset .. b + offset + extra."""
+
+    dim: int
+    size_in: int
+    size_out: int
+    offset: int
+    fill: float | int | bool = 0
+    extra: int = 0  # rows each rank reads past its last output row's (a convolution's kernel reach)
+
+
+def _bound(i, size: int, default: int) -> int:
+    """A slice bound as torch normalizes it: None is the default, negatives count from the end,
+    then clamped to the dim."""
+    if i is None:
+        return default
+    i = int(i)
+    return min(max(i + size if i < 0 else i, 0), size)
+
+
+def _slice_args(args, ndim: int):
+    """(dim, start, end, step) of a ``slice.Tensor`` call, defaults filled in."""
+    full = list(args) + [0, None, None, 1][len(args) - 1 :]
+    return full[1] % ndim, full[2], full[3], full[4]
+
+
+def window_of(node: fx.Node) -> Window | None:
+    """The window a slice, slice gradient or constant pad is along its one moved dim; None when it
+    is none (a strided slice, a pad of several dims: the caller blocks them as before)."""
+    op = node.target
+    if op is aten.slice.Tensor:
+        x = out_vals(node.args[0])[0]
+        dim, start, end, step = _slice_args(node.args, x.ndim)
+        size = x.shape[dim]
+        if step not in (None, 1):
+            return None
+        a = _bound(start, size, 0)
+        return Window(dim, size, max(_bound(end, size, size) - a, 0), a)
+    if op is aten.slice_backward.default:
+        sizes, dim, start, end, step = node.args[1:6]
+        dim %= len(sizes)
+        if step != 1:
+            return None
+        size = sizes[dim]
+        return Window(dim, out_vals(node.args[0])[0].shape[dim], size, -_bound(start, size, 0))
+    if op is aten.constant_pad_nd.default:
+        x, pad = out_vals(node.args[0])[0], node.args[1]
+        moved = [x.ndim - 1 - i // 2 for i in range(len(pad)) if pad[i] != 0]
+        if len(set(moved)) != 1:
+            return None
+        dim = moved[0]
+        i = 2 * (x.ndim - 1 - dim)
+        left, right = pad[i], pad[i + 1]
+        value = node.args[2] if len(node.args) > 2 else 0
+        return Window(dim, x.shape[dim], x.shape[dim] + left + right, -left, value)
+    return None
+
+
+def halo_pieces(w: Window, n: int) -> list[tuple[int, int, int, int]]:
+    """(source rank, destination rank, first input row, rows) of every piece of the input a rank
+    needs for its output rows, in destination then source order (increasing rows); a rank's own
+    rows are pieces too (source == destination)."""
+    ci, co = chunks(w.size_in, n), chunks(w.size_out, n)
+    ia, oa = offsets(ci), offsets(co)
+    pieces = []
+    for q in range(n):  # destination: output rows oa[q] .. oa[q] + co[q]
+        if not co[q]:
+            continue
+        lo = max(oa[q] + w.offset, 0)
+        hi = min(oa[q] + co[q] + w.offset + w.extra, w.size_in)
+        for r in range(n):  # source: input rows ia[r] .. ia[r] + ci[r]
+            a, b = max(lo, ia[r]), min(hi, ia[r] + ci[r])
+            if b > a:
+                pieces.append((r, q, a, b - a))
+    return pieces
+
+
+def halo_bytes(w: Window, n: int, row_bytes: float) -> float:
+    """Bytes the busiest rank sends to the others (rows of ``row_bytes``)."""
+    sent = [0] * n
+    for r, q, _, rows in halo_pieces(w, n):
+        if r != q:
+            sent[r] += rows
+    return max(sent) * row_bytes
+
+
+def _window_rule(node: fx.Node, A: Sets, n: int, *, linear: bool) -> list[Strategy]:
+    """The op on a replicated or (when linear) partial input as it is, sharded along any dim it
+    leaves alone, and sharded along the dim it moves as a halo exchange."""
+    x = out_vals(node.args[0])[0]
+    w = window_of(node)
+    if w is None:
+        moved = _moved_dims(node, x.ndim)
+    else:
+        moved = set() if (w.offset == 0 and w.size_in == w.size_out) else {w.dim}  # a whole dim kept
+    res = [Strategy((R,), (R,))]
+    if linear and P in A[0]:
+        res.append(Strategy((P,), (P,)))
+    for d, sf in shard_specs(A[0]):
+        if d not in moved:
+            res.append(Strategy((shard(d, sf),), (shard(d, sf),)))
+        elif w is not None and sf == 1 and w.size_out > 0 and (x.is_floating_point() or x.is_complex()):
+            # integer and bool data (labels, masks, positions) are bookkeeping, replicated cheaply
+            row = x.element_size() * x.numel() // max(x.shape[d], 1)
+            res.append(Strategy((shard(d),), (shard(d),), kernel=Kernel.HALO, comm=halo_bytes(w, n, row)))
+    return dedup(res)
+
+
+def _moved_dims(node: fx.Node, ndim: int) -> set[int]:
+    """The dims a slice, slice gradient or pad that is no window changes."""
+    if node.target is aten.slice.Tensor:
+        return {_slice_args(node.args, ndim)[0]}
+    if node.target is aten.slice_backward.default:
+        return {node.args[2] % ndim}
+    pad = node.args[1]
+    return {ndim - 1 - i // 2 for i in range(len(pad)) if pad[i] != 0}
+
+
+@rule(aten.slice.Tensor, aten.slice_backward.default)
+def _slice(node, A, n):
+    return _window_rule(node, A, n, linear=True)
+
+
+@rule(aten.constant_pad_nd.default)
+def _pad(node, A, n):
+    value = node.args[2] if len(node.args) > 2 else 0
+    return _window_rule(node, A, n, linear=value == 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# convolutions along the sequence: a 1-d convolution of (batch, channels, sequence), stride 1
+
+
+def _conv_geometry(node: fx.Node, x_arg: int) -> tuple[int, int, int, int] | None:
+    """(input length, output length, padding, reach) of a 1-d, stride-1, untransposed
+    convolution or its backward; reach = dilation * (kernel - 1). None for any other."""
+    a = node.args
+    x, w = out_vals(a[x_arg])[0], out_vals(a[x_arg + 1])[0]
+    stride, padding, dilation, transposed = a[x_arg + 3 : x_arg + 7]
+    if x.ndim != 3 or transposed or list(stride) != [1] or len(padding) != 1 or len(dilation) != 1:
+        return None
+    reach = dilation[0] * (w.shape[2] - 1)
+    size_in = x.shape[2]
+    return size_in, size_in + 2 * padding[0] - reach, padding[0], reach
+
+
+def conv_windows(node: fx.Node) -> tuple[Window, Window] | None:
+    """(input rows each rank's output rows read; output-gradient rows each rank's input rows'
+    gradient reads) of a 1-d convolution (or its backward) sharded along the sequence (dim 2)."""
+    g = _conv_geometry(node, 1 if node.target is aten.convolution_backward.default else 0)
+    if g is None:
+        return None
+    size_in, size_out, pad, reach = g
+    return Window(2, size_in, size_out, -pad, extra=reach), Window(2, size_out, size_in, pad - reach, extra=reach)
+
+
+def _row_bytes(v) -> float:
+    return v.element_size() * v.numel() / max(v.shape[2], 1)
+
+
+@rule(aten.convolution.default)
+def _convolution(node, A, n):
+    """Replicated; split over the batch; or split along the sequence, each rank reading the
+    ``reach`` rows past its own (and the padding's) from its neighbours."""
+    k = len(A)
+    res = [Strategy((R,), (R,) * k)]
+    x = out_vals(node.args[0])[0]
+    if shard(0) in A[0]:
+        res.append(Strategy((shard(0),), (shard(0),) + (R,) * (k - 1)))
+    ws = conv_windows(node)
+    if ws is not None and shard(2) in A[0] and ws[0].size_out > 0:
+        comm = halo_bytes(ws[0], n, _row_bytes(x))
+        res.append(Strategy((shard(2),), (shard(2),) + (R,) * (k - 1), kernel=Kernel.HALO, comm=comm))
+    return res
+
+
+@rule(aten.convolution_backward.default)
+def _convolution_bwd(node, A, n):
+    """The convolution's gradients: the input's placed as the input, the weight's and bias's
+    partial sums when the input is split."""
+    mask = node.args[10]
+
+    def outs(first, rest):
+        return tuple(p if m else None for p, m in zip((first, rest, rest), mask))
+
+    res = [Strategy(outs(R, R), (R, R, R))]
+    if shard(0) in A[0] and shard(0) in A[1]:
+        res.append(Strategy(outs(shard(0), P), (shard(0), shard(0), R)))
+    ws = conv_windows(node)
+    if ws is not None and shard(2) in A[0] and shard(2) in A[1]:
+        x, g = out_vals(node.args[1])[0], out_vals(node.args[0])[0]
+        comm = (halo_bytes(ws[0], n, _row_bytes(x)) if mask[1] or mask[2] else 0.0) + (
+            halo_bytes(ws[1], n, _row_bytes(g)) if mask[0] else 0.0
+        )
+        res.append(Strategy(outs(shard(2), P), (shard(2), shard(2), R), kernel=Kernel.HALO, comm=comm))
+    return res

@@ -1,0 +1,95 @@
+"""Shifts along the sequence run as halo exchanges: each rank receives only the boundary rows it
+needs from the rank that holds them, never the whole tensor. The logits-shift loss (nanoGPT's
+``logits[:, :-1]`` against ``labels[:, 1:]``) moves nothing beyond the label-shift loss when the
+length divides by the ranks, and a few boundary rows when it does not; token shifts (``F.pad``,
+``nn.ZeroPad2d``), a causal convolution written as shifted slices, a slice with both ends and a
+pad with a value move a row or two per boundary; ``nn.Conv1d`` along the sequence (Mamba's causal
+depthwise one, a dense dilated one) moves its reach. Before, each of these all-gathered its input
+(for the logits-shift loss: the whole logits, b x s x vocab, on every rank)."""
+
+import math
+
+import cases
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autosp
+from autosp.propagate import Window, halo_pieces
+from examples.models import Llama, LlamaConfig
+
+
+def _exact(r, tol=1e-5):
+    loss, ref = r["loss"]
+    assert abs(loss - ref) <= tol * abs(ref), r["loss"]
+    worst = max(r["grad_err"].items(), key=lambda kv: kv[1])
+    assert worst[1] <= tol, worst
+
+
+# every shift on 2 ranks and on an uneven split over 4; the commonest also at 64 over 4, 7 over 2
+# and 3 over 4 (a rank with no rows)
+CASES = [(k, w, L) for k in cases.SHIFTS for w, L in [(2, 64), (4, 45)]] + [
+    (k, w, L) for k in ("logits_shift", "token_shift_pad", "conv1d_causal") for w, L in [(4, 64), (2, 7), (4, 3)]
+]
+
+
+@pytest.mark.parametrize("kind,world,L", CASES)
+def test_shifts_match_one_device_and_gather_nothing(pools, kind, world, L):
+    """Exact on even and uneven splits (45 tokens over 4 ranks: 12, 11, 11, 11; 7 over 2; 3 over
+    4: 1, 1, 1, 0), with no all-gather: the only collectives are the halo exchanges and the loss and gradient
+    all-reduces."""
+    for r in pools(world).run(cases.shift_exactness, kind, 2, L):
+        _exact(r)
+        assert {k for k, _ in r["collectives"]} <= {"halo", "all_reduce"}, r["collectives"]
+        # per exchange a few rows of the (2, L, 16) fp32 hidden state a rank: the shift or the
+        # convolution's reach (3 rows), and where the split is uneven up to a row per rank more
+        # (a convolution's backward exchanges twice), never the tensor
+        row = 2 * 16 * 4
+        assert max(r["halo_bytes"], default=0.0) <= 2 * (3 + world) * row, r
+        if kind == "logits_shift" and L % world == 0:
+            assert not r["halo_bytes"], r  # every rank's logits rows are its own (the last holds one fewer)
+
+
+def test_halo_schedule_moves_boundary_rows_only():
+    """The schedule: a token shift on 8 rows over 2 ranks sends one row (rank 0's last to rank 1);
+    the logits shift on 8 rows sends nothing, and on 9 rows (5, 4 -> 4, 4) rank 0's last row;
+    dropping the first of 9 rows (``x[:, 1:]``) sends nothing."""
+    moved = lambda w, n: [(r, q, a, k) for r, q, a, k in halo_pieces(w, n) if r != q]  # noqa: E731
+    assert moved(Window(1, 8, 8, -1), 2) == [(0, 1, 3, 1)]
+    assert moved(Window(1, 8, 7, 0), 2) == []
+    assert moved(Window(1, 9, 8, 0), 2) == [(0, 1, 4, 1)]
+    assert moved(Window(1, 9, 8, 1), 2) == []
+    assert moved(Window(1, 8, 8, -1), 4) == [(0, 1, 1, 1), (1, 2, 3, 1), (2, 3, 5, 1)]
+
+
+def _plan(world, L, loss):
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(heads=4, kv_heads=2, dim=64, layers=2))
+    ids = torch.randint(0, 256, (2, L))
+    fns = {
+        "labels": lambda i, labels: model(i, labels),
+        "logits": lambda i, labels: F.cross_entropy(
+            model(i)[:, :-1].reshape(-1, 256), labels[:, 1:].reshape(-1), ignore_index=-100
+        ),
+    }
+    with autosp.mesh(sp=world):
+        return autosp.explain(autosp.shard(fns[loss], compiler="aot_eager"), ids, ids)
+
+
+@pytest.mark.parametrize("world,L", [(2, 64), (4, 64), (2, 63), (4, 45), (8, 96)])
+def test_logits_shift_loss_moves_no_more_than_the_label_shift_loss(fake_world, world, L):
+    """On the Llama example the logits-shift loss's plan is the label-shift loss's (Ulysses'
+    all-to-alls, the loss and gradient all-reduces) plus, where the length does not divide by
+    the ranks, one halo exchange each way of at most one logits row per rank and sequence."""
+    fake_world(world)
+    by_label, by_logits = _plan(world, L, "labels"), _plan(world, L, "logits")
+    assert not by_logits.count("all_gather"), str(by_logits)
+    halo = [c for c in by_logits.collectives if c.kind == "halo"]
+    row = 2 * 256 * 4  # one row of the (2, L, 256) fp32 logits
+    assert by_logits.comm_bytes <= by_label.comm_bytes + sum(c.bytes_per_rank for c in halo) + 1e-6
+    assert all(c.bytes_per_rank <= row for c in halo), halo
+    if L % world == 0:
+        assert not halo, halo
+    else:
+        assert len(halo) == 2, halo  # the slice forward, its gradient backward
+    assert math.isclose(by_logits.comm_bytes - sum(c.bytes_per_rank for c in halo), by_label.comm_bytes, rel_tol=1e-9)

@@ -407,6 +407,57 @@ def shift_exactness(kind: str, b: int, L: int) -> dict:
     }
 
 
+class ComplexRopeAttention(torch.nn.Module):
+    """Attention with RoPE in complex arithmetic, as Meta's reference Llama and torchtitan write it:
+    ``torch.polar`` frequencies, ``view_as_complex``, a complex product, ``view_as_real``."""
+
+    def __init__(self, dim: int = 32, heads: int = 4):
+        super().__init__()
+        nn = torch.nn
+        self.heads, self.hd = heads, dim // heads
+        self.embed, self.out = nn.Embedding(64, dim), nn.Linear(dim, 64)
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def _rope(self, x, cis):
+        b, t = x.shape[:2]
+        xc = torch.view_as_complex(x.float().reshape(b, t, self.heads, self.hd // 2, 2))
+        return torch.view_as_real(xc * cis[None, :, None, :]).flatten(3).type_as(x)
+
+    def forward(self, ids):
+        b, t = ids.shape
+        h = self.embed(ids)
+        inv = 1.0 / 10000 ** (torch.arange(0, self.hd, 2).float() / self.hd)
+        angles = torch.outer(torch.arange(t).float(), inv)
+        cis = torch.polar(torch.ones_like(angles), angles)
+        q, k, v = (p(h).view(b, t, self.heads, self.hd) for p in (self.q, self.k, self.v))
+        q, k = self._rope(q, cis), self._rope(k, cis)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        logits = self.out(self.o(o.transpose(1, 2).reshape(b, t, -1)))
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+def complex_rope_exactness(b: int, L: int) -> dict:
+    """``ComplexRopeAttention``: loss and gradients against one device, and the plan's collective kinds."""
+    torch.manual_seed(0)
+    model = ComplexRopeAttention()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (b, L), generator=torch.Generator().manual_seed(1))
+    with autosp.mesh():
+        step = autosp.shard(lambda ids: model(ids), compiler="aot_eager")
+        loss = step(ids)
+        loss.backward()
+    loss_ref = ref(ids)
+    loss_ref.backward()
+    return {
+        "loss": (loss.item(), loss_ref.item()),
+        "grad_err": _grad_errors(model, ref),
+        "kinds": sorted({c.kind for c in step.plan.collectives}),
+        "all_to_alls": step.plan.count("all_to_all"),
+    }
+
+
 def _hf_compare(model, ref, ids: torch.Tensor, labels: torch.Tensor, attention: str = "auto", **kwargs) -> dict:
     """Train one step of an HF causal LM through autosp and the same on one device; the loss pair,
     each gradient's relative error (``_grad_errors``: an attention key bias's gradient is zero in

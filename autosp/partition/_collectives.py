@@ -119,6 +119,9 @@ def redistribute(
     x: torch.Tensor, src: Placement, dst: Placement, n: int, rank: int, group, global_shape: Sequence[int]
 ) -> torch.Tensor:
     """``x``, this rank's part of a tensor of ``global_shape`` placed as ``src``, placed as ``dst``."""
+    if x.is_complex() and src != dst:  # gloo has no complex dtypes: move the (real, imaginary) pairs
+        y = redistribute(torch.view_as_real(x), src, dst, n, rank, group, [*global_shape, 2])
+        return torch.view_as_complex(y.contiguous())
     kind = redistribute_kind(src, dst)
     s, d = shard_spec(src), shard_spec(dst)
     if kind == "":

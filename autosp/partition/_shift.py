@@ -20,6 +20,8 @@ __all__ = ["shifted", "HALO_KERNELS"]
 
 def shifted(x: torch.Tensor, w: Window, n: int, rank: int, group) -> torch.Tensor:
     """This rank's output rows of window ``w``, from ``x``, its rows of the input."""
+    if x.is_complex():  # gloo has no complex dtypes: move the (real, imaginary) pairs
+        return torch.view_as_complex(shifted(torch.view_as_real(x), w, n, rank, group).contiguous())
     d = w.dim
     pieces = halo_pieces(w, n)
     start = offsets(chunks(w.size_in, n))[rank]

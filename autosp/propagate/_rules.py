@@ -105,6 +105,20 @@ def _squeeze(node, A, n):
     return _dim_map_rule(node, A, n, [d for d in range(src.ndim) if not (d in dims and src.shape[d] == 1)])
 
 
+@rule(aten.view_as_complex.default)
+def _view_as_complex(node, A, n):
+    """(..., 2) real -> (...) complex (complex RoPE, as Meta's Llama and torchtitan write it): the
+    last dim, real and imaginary parts, is consumed and cannot be sharded."""
+    nd = _val(node.args[0]).ndim
+    return _dim_map_rule(node, A, n, list(range(nd - 1)), blocked=[nd - 1])
+
+
+@rule(aten.view_as_real.default)
+def _view_as_real(node, A, n):
+    """(...) complex -> (..., 2) real: a new last dim."""
+    return _dim_map_rule(node, A, n, [*range(_val(node.args[0]).ndim), None])
+
+
 @rule(aten.expand.default)
 def _expand(node, A, n):
     src, out = _val(node.args[0]), _val(node)
@@ -628,6 +642,8 @@ VIEW_OPS = {
     aten.squeeze.dims,
     aten.squeeze.default,
     aten.expand.default,
+    aten.view_as_complex.default,
+    aten.view_as_real.default,
     aten.alias.default,
     aten.detach.default,
     aten.slice.Tensor,

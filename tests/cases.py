@@ -355,8 +355,9 @@ def _conv(conv, h, L=None):
 
 
 # Shifts along the sequence as users write them, each (hidden, input_ids, modules) -> (logits-to-be,
-# targets): the logits-shift loss, a token shift (F.pad, ZeroPad2d), a causal convolution by
-# slices, a slice with both ends, a pad with a value, and convolution modules along the sequence:
+# targets): the logits-shift loss, a token shift (F.pad, ZeroPad2d, cat of shifted pieces, a masked
+# roll), a causal convolution by slices, a slice with both ends, a pad with a value, a roll that
+# wraps around, a flip along the features, and convolution modules along the sequence:
 # Mamba's causal depthwise one (padded by k - 1 each side, cut to the length) and a dense, dilated,
 # "same"-padded one
 SHIFTS = {
@@ -366,6 +367,16 @@ SHIFTS = {
     "conv_by_slices": lambda h, ids, m: (_causal_conv_by_slices(h), ids),
     "slice_both_ends": lambda h, ids, m: (h[:, 2:-1], ids[:, 1:-2]),
     "pad_value": lambda h, ids, m: (torch.nn.functional.pad(h, (0, 0, 2, 1), value=0.25)[:, 3:], ids),
+    "token_shift_cat": lambda h, ids, m: (
+        _token_shift(h, lambda x: torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], 1)),
+        ids,
+    ),
+    "roll_masked": lambda h, ids, m: (
+        _token_shift(h, lambda x: torch.roll(x, 1, 1) * (torch.arange(x.shape[1]) > 0)[None, :, None]),
+        ids,
+    ),
+    "roll_wrap": lambda h, ids, m: (h + torch.roll(h, -2, dims=1), ids),
+    "flip_features": lambda h, ids, m: (h + 0.5 * h.flip(-1), ids),
     "conv1d_causal": lambda h, ids, m: (torch.nn.functional.silu(_conv(m[3], h, h.shape[1])), ids),
     "conv1d_same_dilated": lambda h, ids, m: (_conv(m[4], h), ids),
 }

@@ -2,9 +2,10 @@
 needs from the rank that holds them, never the whole tensor. The logits-shift loss (nanoGPT's
 ``logits[:, :-1]`` against ``labels[:, 1:]``) moves nothing beyond the label-shift loss when the
 length divides by the ranks, and a few boundary rows when it does not; token shifts (``F.pad``,
-``nn.ZeroPad2d``), a causal convolution written as shifted slices, a slice with both ends and a
-pad with a value move a row or two per boundary; ``nn.Conv1d`` along the sequence (Mamba's causal
-depthwise one, a dense dilated one) moves its reach. Before, each of these all-gathered its input
+``nn.ZeroPad2d``, a cat of shifted pieces, a masked roll), a causal convolution written as
+shifted slices, a slice with both ends, a pad with a value and a roll that wraps around move a row
+or two per boundary; ``nn.Conv1d`` along the sequence (Mamba's causal depthwise one, a dense
+dilated one) moves its reach; a flip along the features moves nothing. Before, each of these all-gathered its input
 (for the logits-shift loss: the whole logits, b x s x vocab, on every rank)."""
 
 import math
@@ -26,11 +27,14 @@ def _exact(r, tol=1e-5):
     assert worst[1] <= tol, worst
 
 
-# every shift on 2 ranks and on an uneven split over 4; the commonest also at 64 over 4, 7 over 2
+# every shift on an uneven split over 4 ranks; the commonest also on 2, and at 64 over 4, 7 over 2
 # and 3 over 4 (a rank with no rows)
-CASES = [(k, w, L) for k in cases.SHIFTS for w, L in [(2, 64), (4, 45)]] + [
-    (k, w, L) for k in ("logits_shift", "token_shift_pad", "conv1d_causal") for w, L in [(4, 64), (2, 7), (4, 3)]
-]
+MAIN = ("logits_shift", "token_shift_pad", "conv1d_causal")
+CASES = (
+    [(k, 4, 45) for k in cases.SHIFTS]
+    + [(k, 2, 64) for k in (*MAIN, "token_shift_cat", "roll_wrap")]
+    + [(k, w, L) for k in MAIN for w, L in [(4, 64), (2, 7), (4, 3)]]
+)
 
 
 @pytest.mark.parametrize("kind,world,L", CASES)

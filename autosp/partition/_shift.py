@@ -13,38 +13,64 @@ import torch.distributed._functional_collectives as funcol
 
 from .._context import Kernel
 from ..propagate._placement import chunks, offsets
-from ..propagate._shift import Window, conv_windows, halo_pieces, window_of
+from ..propagate._shift import Window, concat_windows, conv_windows, halo_pieces, window_of
 
-__all__ = ["shifted", "HALO_KERNELS"]
+__all__ = ["shifted", "window_rows", "HALO_KERNELS"]
 
 
-def shifted(x: torch.Tensor, w: Window, n: int, rank: int, group) -> torch.Tensor:
-    """This rank's output rows of window ``w``, from ``x``, its rows of the input."""
-    if x.is_complex():  # gloo has no complex dtypes: move the (real, imaginary) pairs
-        return torch.view_as_complex(shifted(torch.view_as_real(x), w, n, rank, group).contiguous())
+def _rows(x: torch.Tensor, w: Window, n: int, rank: int, group) -> list[torch.Tensor]:
+    """The input rows this rank's output rows of window ``w`` read, in order, from ``x`` (its rows
+    of the input) and from the other ranks (one all-to-all, when any rank needs another's rows)."""
     d = w.dim
     pieces = halo_pieces(w, n)
     start = offsets(chunks(w.size_in, n))[rank]
     shape = list(x.shape)
+
+    def rows_of(t, k):
+        return t.reshape(shape[:d] + [k] + shape[d + 1 :])
+
+    if not any(r != q for r, q, _, _ in pieces):
+        return [x.narrow(d, a - start, k) for r, q, a, k in pieces if q == rank]
     row = math.prod(shape[:d] + shape[d + 1 :])
-    got, recv_sizes = {}, []
-    if any(r != q for r, q, _, _ in pieces):
-        send = [(q, x.narrow(d, a - start, rows)) for r, q, a, rows in pieces if r == rank and q != rank]
-        send_sizes, recv_sizes = [0] * n, [0] * n
-        for q, t in send:
-            send_sizes[q] = t.numel()
-        for r, q, _, rows in pieces:
-            if q == rank and r != rank:
-                recv_sizes[r] = rows * row
-        buf = torch.cat([t.reshape(-1) for _, t in send]) if send else x.new_empty(0)
-        y = funcol.all_to_all_single(buf, recv_sizes, send_sizes, group)
-        got = dict(enumerate(y.split(recv_sizes)))
-    parts = []
-    for r, q, a, rows in pieces:
-        if q == rank:
-            parts.append(
-                x.narrow(d, a - start, rows) if r == rank else got[r].reshape(shape[:d] + [rows] + shape[d + 1 :])
-            )
+    send = [(q, x.narrow(d, a - start, k)) for r, q, a, k in pieces if r == rank and q != rank]
+    send_sizes, recv_sizes = [0] * n, [0] * n
+    for q, t in send:
+        send_sizes[q] = t.numel()
+    for r, q, _, k in pieces:
+        if q == rank and r != rank:
+            recv_sizes[r] = k * row
+    buf = torch.cat([t.reshape(-1) for _, t in send]) if send else x.new_empty(0)
+    y = funcol.all_to_all_single(buf, recv_sizes, send_sizes, group)
+    got = dict(enumerate(y.split(recv_sizes)))
+    parts = [x.narrow(d, a - start, k) if r == rank else rows_of(got[r], k) for r, q, a, k in pieces if q == rank]
+    if not any(recv_sizes):  # the exchange's result must be read, or it is dead code on this rank only
+        parts.append(rows_of(y, 0))
+    return parts
+
+
+def _real(fn):
+    """``fn(x, ...)`` on a complex ``x`` as its (real, imaginary) pairs: gloo has no complex dtypes."""
+
+    def run(x, *args):
+        if x.is_complex():
+            return torch.view_as_complex(fn(torch.view_as_real(x), *args).contiguous())
+        return fn(x, *args)
+
+    return run
+
+
+@_real
+def window_rows(x: torch.Tensor, w: Window, n: int, rank: int, group) -> torch.Tensor:
+    """The input rows this rank's output rows of ``w`` read, without the fill (a piece of a cat)."""
+    parts = _rows(x, w, n, rank, group) or [x.narrow(w.dim, 0, 0)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=w.dim)
+
+
+@_real
+def shifted(x: torch.Tensor, w: Window, n: int, rank: int, group) -> torch.Tensor:
+    """This rank's output rows of window ``w``, from ``x``, its rows of the input."""
+    d, shape = w.dim, list(x.shape)
+    parts = _rows(x, w, n, rank, group)
     size = chunks(w.size_out, n)[rank]
     size += w.extra if size else 0
     first = offsets(chunks(w.size_out, n))[rank] + w.offset  # the input row of this rank's first output row
@@ -55,8 +81,6 @@ def shifted(x: torch.Tensor, w: Window, n: int, rank: int, group) -> torch.Tenso
         return x.new_full(shape[:d] + [rows] + shape[d + 1 :], w.fill)
 
     parts = ([fill(before)] if before else []) + parts + ([fill(after)] if after else [])
-    if got and not any(recv_sizes):  # the exchange's result must be read, or it is dead code on this rank only
-        parts.append(y.reshape(shape[:d] + [0] + shape[d + 1 :]))
     if len(parts) == 1:
         return parts[0]
     return torch.cat(parts, dim=d) if parts else fill(0)
@@ -110,11 +134,17 @@ def _convolution_backward(
 
 def _halo_call(nd, s, target, args, kwargs, ctx):
     """(call, args, kwargs) of an op run as a halo exchange: a slice, slice gradient or pad (the
-    window is the op's whole result), a convolution or its backward along the sequence."""
+    window is the op's whole result), a cat or roll (its pieces' rows, in order; a roll along
+    other dims too runs locally after), a convolution or its backward along the sequence."""
     if target is torch.ops.aten.convolution.default:
         return functools.partial(_convolution, nd, ctx=ctx), args, kwargs
     if target is torch.ops.aten.convolution_backward.default:
         return functools.partial(_convolution_backward, nd, ctx=ctx), args, kwargs
+    if target in (torch.ops.aten.cat.default, torch.ops.aten.roll.default):
+        pieces = args[0] if target is torch.ops.aten.cat.default else [args[0]] * 2
+        dim, ws, rest = concat_windows(nd)
+        y = torch.cat([window_rows(x, w, ctx.n, ctx.rank, ctx.group) for x, w in zip(pieces, ws)], dim=dim)
+        return (torch.roll, (y, *rest), {}) if rest[0] else (_identity, (y,), {})
     return _identity, (shifted(args[0], window_of(nd), ctx.n, ctx.rank, ctx.group),), {}
 
 

@@ -27,7 +27,7 @@ from ._placement import shard_specs as _shards
 from ._strategy import PROVENANCE, RULES, Sets, Strategy, provenance, rule
 from ._strategy import dedup as _dedup
 
-__all__ = ["strategies_for", "VIEW_OPS"]
+__all__ = ["strategies_for", "VIEW_OPS", "cat_rule"]
 
 aten = torch.ops.aten
 
@@ -515,6 +515,9 @@ def _cat(node, A, n):
                 p = shard(d, sf)
                 res.append(Strategy((p,), tuple(p for _ in range(k))))
     return _dedup(res)
+
+
+cat_rule = _cat  # extended by ``_shift`` with cats along the sharded dim
 
 
 @rule(aten.stack.default)

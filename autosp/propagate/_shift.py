@@ -19,11 +19,12 @@ import torch
 import torch.fx as fx
 
 from .._context import Kernel
-from .._graph import out_vals
+from .._graph import out_vals, tensor_inputs
 from ._placement import P, R, chunks, offsets, shard, shard_specs
+from ._rules import cat_rule
 from ._strategy import Sets, Strategy, dedup, rule
 
-__all__ = ["Window", "window_of", "halo_pieces", "halo_bytes", "conv_windows"]
+__all__ = ["Window", "window_of", "halo_pieces", "halo_bytes", "conv_windows", "concat_windows"]
 
 aten = torch.ops.aten
 
@@ -226,3 +227,91 @@ def _convolution_bwd(node, A, n):
         )
         res.append(Strategy(outs(shard(2), P), (shard(2), shard(2), R), kernel=Kernel.HALO, comm=comm))
     return res
+
+
+# ---------------------------------------------------------------------------------------------
+# pieces put together along the sequence: cat (of shifted pieces: ``cat([zeros, x[:, :-1]], 1)``,
+# RWKV's token shift) and roll
+
+
+def concat_windows(node: fx.Node) -> tuple[int, list[Window], tuple] | None:
+    """(dim, one window per piece, (shifts, dims) of a roll along other dims) of a cat of pieces
+    along ``dim`` or a roll along it: a rank's output rows are, in order, the rows each window
+    reads (without its fill). A roll of r is ``cat([x[L - r:], x[:L - r]])``. None for others."""
+    out = out_vals(node)[0]
+    if node.target is aten.cat.default:
+        dim = (node.args[1] if len(node.args) > 1 else 0) % out.ndim
+        vals = [out_vals(u)[0] for u in node.args[0]]
+        if any(v.ndim != out.ndim for v in vals):
+            return None
+        starts = offsets([v.shape[dim] for v in vals])
+        return dim, [Window(dim, v.shape[dim], out.shape[dim], -a) for v, a in zip(vals, starts)], ((), ())
+    shifts, dims = list(node.args[1]), list(node.args[2]) if len(node.args) > 2 else []
+    if not dims or len(dims) != len(shifts):
+        return None  # a roll of the flattened tensor
+    dims = [d % out.ndim for d in dims]
+    return dims[0], _roll_windows(dims[0], out.shape[dims[0]], shifts[0]), (tuple(shifts[1:]), tuple(dims[1:]))
+
+
+def _roll_windows(dim: int, size: int, shift: int) -> list[Window]:
+    r = shift % size if size else 0
+    return [Window(dim, size, size, size - r), Window(dim, size, size, -r)]
+
+
+def _float(v) -> bool:
+    return v.is_floating_point() or v.is_complex()
+
+
+def _pieces_strategy(node: fx.Node, A: Sets, n: int, dim: int, ws: list[Window], k: int) -> Strategy | None:
+    """Every piece split along ``dim`` (a replicated one sliced for free), the output too, each
+    rank gathering its rows from the pieces' holders: floating-point data only (integer and bool
+    bookkeeping stays replicated)."""
+    vals = [out_vals(u)[i] for u, i in tensor_inputs(node)]
+    s = shard(dim)
+    if not (any(s in a for a in A) and all(s in a or R in a for a in A) and all(map(_float, vals))):
+        return None
+    vals = vals if len(vals) == len(ws) else vals * len(ws)  # a roll: two windows of one input
+    comm = sum(halo_bytes(w, n, v.element_size() * v.numel() / max(v.shape[dim], 1)) for w, v in zip(ws, vals))
+    return Strategy((s,), (s,) * k, kernel=Kernel.HALO, comm=comm)
+
+
+@rule(aten.cat.default)
+def _cat(node, A, n):
+    res = cat_rule(node, A, n)
+    cw = concat_windows(node)
+    if cw is not None and len(cw[1]) > 1:
+        st = _pieces_strategy(node, A, n, cw[0], cw[1], len(A))
+        if st is not None:
+            res = dedup([*res, st])
+    return res
+
+
+@rule(aten.roll.default)
+def _roll(node, A, n):
+    """Replicated; sharded along a dim it does not roll; or along the first dim it rolls, the
+    rows each rank needs exchanged (the other dims' rolls then run locally)."""
+    nd = out_vals(node)[0].ndim
+    dims = [d % nd for d in (node.args[2] if len(node.args) > 2 else [])]
+    res = [Strategy((R,), (R,))]
+    for d, sf in shard_specs(A[0]):
+        if dims and d not in dims:
+            res.append(Strategy((shard(d, sf),), (shard(d, sf),)))
+    cw = concat_windows(node)
+    if cw is not None and len(set(dims)) == len(dims):
+        st = _pieces_strategy(node, A, n, cw[0], cw[1], 1)
+        if st is not None:
+            res.append(st)
+    return dedup(res)
+
+
+@rule(aten.flip.default)
+def _flip(node, A, n):
+    """Replicated, or sharded along a dim it does not flip (a reverse cumulative sum within
+    chunks). Flipped along the sharded dim, every row moves: it reads its input whole."""
+    nd = out_vals(node)[0].ndim
+    dims = {d % nd for d in node.args[1]}
+    res = [Strategy((R,), (R,))]
+    if P in A[0]:
+        res.append(Strategy((P,), (P,)))
+    res += [Strategy((shard(d, sf),), (shard(d, sf),)) for d, sf in shard_specs(A[0]) if d not in dims]
+    return dedup(res)

@@ -449,6 +449,63 @@ class ComplexRopeAttention(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
 
 
+def _per_token_solve(h):
+    """A unit lower-triangular solve per token (4 x 4 from 16 features), as chunked delta rules
+    solve per chunk."""
+    g = h.unflatten(-1, (4, 4))
+    lower = torch.tril(g, -1) * 0.1 + torch.eye(4)
+    return torch.linalg.solve_triangular(lower, g, upper=False).flatten(-2)
+
+
+# ops on activations with no rule of DTensor's or a pointwise tag of torch's: activation functions
+# whose gradients are untagged (Mamba's softplus, ...), log-sigmoid (gated linear attention's
+# gates), a triangular solve per token
+OPS = {
+    "activations": lambda h: sum(
+        f(h)
+        for f in (
+            torch.nn.functional.softplus,
+            torch.nn.functional.elu,
+            torch.nn.functional.leaky_relu,
+            torch.nn.functional.hardtanh,
+            torch.nn.functional.mish,
+            torch.nn.functional.hardswish,
+            torch.nn.functional.hardsigmoid,
+            torch.nn.functional.softshrink,
+            torch.nn.functional.hardshrink,
+            torch.nn.functional.logsigmoid,
+        )
+    ),
+    "solve_triangular": _per_token_solve,
+}
+
+
+def op_exactness(kind: str, b: int, L: int) -> dict:
+    """An embedding, a linear layer, ``OPS[kind]``, a head and a cross-entropy against one device,
+    and the plan's collective kinds."""
+    torch.manual_seed(0)
+    nn = torch.nn
+    model = nn.Sequential(nn.Embedding(64, 16), nn.Linear(16, 16))
+    head = nn.Linear(16, 64)
+    ref, ref_head = copy.deepcopy(model), copy.deepcopy(head)
+    ids = torch.randint(0, 64, (b, L), generator=torch.Generator().manual_seed(1))
+
+    def fn(m, hd, ids):
+        return torch.nn.functional.cross_entropy(hd(OPS[kind](m(ids))).flatten(0, 1), ids.flatten())
+
+    with autosp.mesh():
+        step = autosp.shard(lambda ids: fn(model, head, ids), compiler="aot_eager")
+        loss = step(ids)
+        loss.backward()
+    loss_ref = fn(ref, ref_head, ids)
+    loss_ref.backward()
+    return {
+        "loss": (loss.item(), loss_ref.item()),
+        "grad_err": {**_grad_errors(model, ref), **_grad_errors(head, ref_head)},
+        "kinds": sorted({c.kind for c in step.plan.collectives}),
+    }
+
+
 def complex_rope_exactness(b: int, L: int) -> dict:
     """``ComplexRopeAttention``: loss and gradients against one device, and the plan's collective kinds."""
     torch.manual_seed(0)

@@ -3,7 +3,10 @@
 Complex RoPE (``torch.polar``, ``view_as_complex``, a complex product, ``view_as_real``: Meta's
 reference Llama, torchtitan's Llama, DeepSeek-V2) had no rule for ``view_as_complex`` /
 ``view_as_real``: the plan all-gathered q and k before the rotation and ran attention on them
-whole. It now runs as Ulysses: 4 all-to-alls each way, no all-gather."""
+whole. It now runs as Ulysses: 4 all-to-alls each way, no all-gather. Activation functions whose
+gradients torch does not tag pointwise (``softplus_backward``: Falcon-H1's Mamba layers), log-sigmoid
+and a triangular solve per token (``linalg_solve_triangular``, as chunked delta rules solve per
+chunk) were refused; each is now elementwise over the sequence."""
 
 import cases
 import pytest
@@ -18,3 +21,13 @@ def test_complex_rope_attention_is_ulysses_and_exact(pools, world, L):
         assert worst[1] <= 1e-5, worst
         assert r["kinds"] == ["all_reduce", "all_to_all", "halo"][: 3 if L % world else 2], r["kinds"]
         assert r["all_to_alls"] == 8, r
+
+
+@pytest.mark.parametrize("kind", list(cases.OPS))
+def test_ops_without_a_dtensor_strategy_stay_split(pools, kind):
+    for r in pools(2).run(cases.op_exactness, kind, 2, 45):
+        loss, ref = r["loss"]
+        assert abs(loss - ref) <= 1e-5 * abs(ref), r["loss"]
+        worst = max(r["grad_err"].items(), key=lambda kv: kv[1])
+        assert worst[1] <= 1e-5, worst
+        assert r["kinds"] == ["all_reduce"], r["kinds"]  # the loss and the gradients: nothing gathered

@@ -248,8 +248,46 @@ def _elementwise(node: fx.Node, A: Sets, n: int, *, blocked_out: Iterable[int] =
     return _dedup(res)
 
 
+# elementwise ops torch does not tag pointwise (activation gradients: Mamba's softplus, ELU, ...);
+# DTensor has no strategy for them either
+_UNTAGGED_POINTWISE = {
+    aten.softplus_backward.default,
+    aten.elu_backward.default,
+    aten.leaky_relu_backward.default,
+    aten.hardtanh_backward.default,
+    aten.mish_backward.default,
+    aten.hardswish.default,
+    aten.hardswish_backward.default,
+    aten.hardsigmoid_backward.default,
+    aten.softshrink_backward.default,
+    aten.hardshrink_backward.default,
+}
+
+
 def _is_pointwise(op) -> bool:
-    return isinstance(op, torch._ops.OpOverload) and torch.Tag.pointwise in op.tags
+    return isinstance(op, torch._ops.OpOverload) and (torch.Tag.pointwise in op.tags or op in _UNTAGGED_POINTWISE)
+
+
+@rule(aten.log_sigmoid_forward.default)
+def _log_sigmoid(node, A, n):
+    """(output, buffer): elementwise; the buffer is empty on CUDA (replicated, nothing in it)."""
+    res = _elementwise(node, A, n)
+    if out_vals(node)[1].numel() == 0:
+        res = [Strategy((s.outs[0], R), s.ins) for s in res]
+    return res
+
+
+@rule(aten.log_sigmoid_backward.default)
+def _log_sigmoid_bwd(node, A, n):
+    return _elementwise(node, A, n)
+
+
+@rule(aten.linalg_solve_triangular.default, aten.tril.default, aten.triu.default)
+def _per_matrix(node, A, n):
+    """An op per matrix of the last two dims (a triangular solve, a chunked delta rule's
+    within-chunk solve; tril and triu, whose DTensor strategy replicates): sharded along any batch
+    dim, never along the matrix dims."""
+    return _elementwise(node, A, n, blocked_out=[-1, -2])
 
 
 @rule(aten._softmax.default, aten._log_softmax.default)

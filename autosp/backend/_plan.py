@@ -106,12 +106,15 @@ def build_plan(joint: fx.GraphModule, choice: Choice, n: int, notes: tuple[str, 
     consumers = [(nd, tensor_inputs(nd), plan[nd].ins) for nd in joint.graph.nodes if nd in plan]
     leaves = [a for a in torch.utils._pytree.tree_leaves(out_node.args) if isinstance(a, fx.Node)]
     consumers.append((out_node, [(a, 0) for a in leaves], tuple(R for _ in leaves)))
+    moved = set()  # an all-to-all runs once per (value, placement), for every op that reads it so
     for nd, ins, reqs in consumers:
         for (u, i), q in zip(ins, reqs):
             p = plan[u].outs[i]
             kind = redistribute_kind(p, q)
-            if not kind:
+            if not kind or (kind == "all_to_all" and (u, i, q) in moved):
                 continue
+            if kind == "all_to_all" and nd is not out_node:
+                moved.add((u, i, q))
             v = out_vals(u)[i]
             where = nd if nd is not out_node else u
             colls.append(

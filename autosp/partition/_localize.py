@@ -25,7 +25,7 @@ from .._context import SpContext
 from .._graph import out_vals, tensor_inputs
 from ..errors import PlanError
 from ..propagate._annotate import ANNOTATE
-from ..propagate._placement import local_shape
+from ..propagate._placement import local_shape, redistribute_kind
 from ..propagate._solver import Choice
 from ..propagate._strategy import Strategy
 from ._attention import SEQUENCE_KERNELS
@@ -59,6 +59,7 @@ class Localizer(fx.Interpreter):
         super().__init__(joint, garbage_collect_values=False)
         self.extra_traceback = False  # autosp's errors say where they come from
         self.plan, self.ctx = plan, ctx
+        self.moved: dict[tuple, torch.Tensor] = {}  # (node, output, placement) -> its all-to-all
         self.tiles = TileRunner(self, tiling) if tiling is not None else None
 
     def run_node(self, nd: fx.Node):
@@ -84,9 +85,19 @@ class Localizer(fx.Interpreter):
         return v[i] if u.target is not operator.getitem and isinstance(v, (tuple, list)) else v
 
     def redistributed(self, u: fx.Node, i: int, q) -> torch.Tensor:
-        """Output i of node u on this rank, placed as ``q``."""
-        ctx = self.ctx
-        return redistribute(self.value(u, i), self.plan[u].outs[i], q, ctx.n, ctx.rank, ctx.group, out_vals(u)[i].shape)
+        """Output i of node u on this rank, placed as ``q``. An all-to-all runs once for all the
+        ops that read the value so (the attention backward reads the K/V its forward read, in
+        the same heads layout); its output is shard-sized, so keeping it costs what keeping its
+        input would. Other collectives run per consumer: a gathered or reduced activation kept
+        from the forward for the backward would be whole."""
+        ctx, p = self.ctx, self.plan[u].outs[i]
+        key = (u, i, q)
+        if key in self.moved:
+            return self.moved[key]
+        y = redistribute(self.value(u, i), p, q, ctx.n, ctx.rank, ctx.group, out_vals(u)[i].shape)
+        if redistribute_kind(p, q) == "all_to_all":
+            self.moved[key] = y
+        return y
 
     def call(self, nd: fx.Node, local: list, tile: tuple[int, int] | None = None):
         """The op on per-rank inputs ``local``; ``tile``: (dim, rows) of a tile, for the ops that

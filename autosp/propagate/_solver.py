@@ -17,7 +17,8 @@ node. Per edge (a consumer's input j, produced as output i of u) a continuous va
 (placement p that u may produce, placement q that the consumer may require) with a collective
 from p to q: the edge's flow. Its flow out of p equals u's choice of a strategy producing p; its
 flow into q equals the consumer's choice of a strategy requiring q (the graph's outputs require
-Replicate). Each flow costs its collective's bytes.
+Replicate). Each flow costs its collective's bytes; an all-to-all's bytes are on one variable per
+(value, p, q), at least every flow of it, since it runs once for all the ops that read it.
 """
 
 from __future__ import annotations
@@ -142,9 +143,11 @@ def _flow_cost(c: Candidates, v: fx.Node, u: fx.Node, i: int, kind: str, size: f
     return transfer_bytes(kind, size, n) + latency + forbidden
 
 
-def _add_edge(prog: _Program, c: Candidates, choose: dict, edge, j: int, n: int, is_output: bool) -> None:
+def _add_edge(prog: _Program, c: Candidates, choose: dict, edge, j: int, n: int, is_output: bool, shared: dict) -> None:
     """Flow variables and their two sets of rows for input j of a consumer (see the module
-    docstring)."""
+    docstring). An all-to-all runs once per (value, placement), however many ops read it
+    (``partition._localize`` reuses it): its cost is on one variable per (value, source,
+    destination) in ``shared``, at least each of its edges' flows."""
     v, v_strategies, ins = edge
     u, i = ins[j]
     produced = sorted({s.outs[i] for s in c.strategies[u]}, key=str)
@@ -154,8 +157,18 @@ def _add_edge(prog: _Program, c: Candidates, choose: dict, edge, j: int, n: int,
     for p in produced:
         for q in required:
             kind = redistribute_kind(p, q)
-            if kind is not None:
-                flow[(p, q)] = prog.var(_flow_cost(c, v, u, i, kind, size, n, is_output))
+            if kind is None:
+                continue
+            cost = _flow_cost(c, v, u, i, kind, size, n, is_output)
+            if kind != "all_to_all" or is_output:
+                flow[(p, q)] = prog.var(cost)
+                continue
+            once = _flow_cost(c, None, u, i, kind, size, n, is_output)  # the collective itself
+            key = (u, i, p, q)
+            if key not in shared:
+                shared[key] = prog.var(once)
+            flow[(p, q)] = prog.var(cost - once)  # this consumer's own part (a no-rule penalty)
+            prog.equal([(shared[key], 1.0), (flow[(p, q)], -1.0), (prog.var(0.0), -1.0)], 0.0)  # slack >= 0
     for p in produced:
         prog.equal(
             [(flow[(p, q)], 1.0) for q in required if (p, q) in flow]
@@ -211,9 +224,10 @@ def solve(gm: fx.GraphModule, c: Candidates, ctx: SpContext) -> Choice:
         prog.equal([(x, 1.0) for x in choose[nd]], 1.0)
     n_choices = len(prog.cost)
     out_node = gm.graph.output_node()
+    shared: dict = {}
     for edge in _edges(gm, c, nodes):
         for j in range(len(edge[2])):
-            _add_edge(prog, c, choose, edge, j, n, edge[0] is out_node)
+            _add_edge(prog, c, choose, edge, j, n, edge[0] is out_node, shared)
     x = prog.minimise(n_choices)
     chosen = {nd: c.strategies[nd][max(range(len(choose[nd])), key=lambda k: x[choose[nd][k]])] for nd in nodes}
     comm = sum(prog.cost[k] * x[k] for k in range(n_choices, len(prog.cost)))  # as the solver saw it: scaled

@@ -526,6 +526,60 @@ def complex_rope_exactness(b: int, L: int) -> dict:
     }
 
 
+# reductions drawn by tests/test_property.py: (op, dims, keepdim) over (b, L, 16) activations,
+# dims None (every element), the sequence (1), the features (2) or both
+REDUCTIONS_DRAWN = {
+    "sum": lambda h, d, k: h.sum() if d is None else h.sum(d, keepdim=k),
+    "mean": lambda h, d, k: h.mean() if d is None else h.mean(d, keepdim=k),
+    "amax": lambda h, d, k: h.amax() if d is None else h.amax(d, keepdim=k),
+    "amin": lambda h, d, k: h.amin() if d is None else h.amin(d, keepdim=k),
+    "max": lambda h, d, k: h.max() if d is None else h.amax(d, keepdim=k) if len(d) > 1 else h.max(d[0], k).values,
+    "min": lambda h, d, k: h.min() if d is None else h.amin(d, keepdim=k) if len(d) > 1 else h.min(d[0], k).values,
+    "norm1": lambda h, d, k: torch.linalg.vector_norm(h, 1, dim=d, keepdim=k),
+    "norm2": lambda h, d, k: torch.linalg.vector_norm(h, 2, dim=d, keepdim=k),
+    "norm3": lambda h, d, k: torch.linalg.vector_norm(h, 3, dim=d, keepdim=k),
+    "logsumexp": lambda h, d, k: h.logsumexp(d or (0, 1, 2), keepdim=k),
+    "var": lambda h, d, k: h.var() if d is None else h.var(d, keepdim=k),
+    "std": lambda h, d, k: h.std() if d is None else h.std(d, keepdim=k),
+    "prod": lambda h, d, k: (h.tanh() * 0.05 + 1).prod() if d is None else (h.tanh() * 0.05 + 1).prod(d[0], keepdim=k),
+}
+
+
+def splits_along_sequence(op: str, dims) -> bool:
+    """Whether the reduction's per-rank partial results along the sequence are combined as such
+    (summed, all-reduced MAX or MIN, p-th powers summed); ``x.max(dim)``, which also returns the
+    index, reads the dim whole, as do log-sum-exp, variances and products."""
+    if op in ("max", "min"):
+        return dims != (1,)
+    return op in ("sum", "mean", "amax", "amin", "norm1", "norm2", "norm3")
+
+
+def drawn_reduction_exactness(op: str, dims, keepdim: bool, L: int) -> dict:
+    """``REDUCTIONS_DRAWN[op]`` of a sequence-sharded activation, weighted and summed into a loss: loss
+    and gradients against one device, and whether the plan all-gathered an activation."""
+    dims = None if dims is None else tuple(dims)
+
+    def loss_of(h):
+        r = REDUCTIONS_DRAWN[op](h, dims, keepdim)
+        return (r * torch.linspace(0.5, 1.5, r.numel()).view(r.shape)).sum()
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 16, bias=False))
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (2, L), generator=torch.Generator().manual_seed(1))
+    with autosp.mesh():
+        step = autosp.shard(lambda ids: loss_of(model(ids)), compiler="aot_eager")
+        loss = step(ids)
+        loss.backward()
+    loss_ref = loss_of(ref(ids))
+    loss_ref.backward()
+    return {
+        "loss": (loss.item(), loss_ref.item()),
+        "grad_err": _grad_errors(model, ref),
+        "gathered": any(c.kind == "all_gather" for c in step.plan.collectives),
+    }
+
+
 def _hf_compare(model, ref, ids: torch.Tensor, labels: torch.Tensor, attention: str = "auto", **kwargs) -> dict:
     """Train one step of an HF causal LM through autosp and the same on one device; the loss pair,
     each gradient's relative error (``_grad_errors``: an attention key bias's gradient is zero in

@@ -167,6 +167,18 @@ def build_plan(joint: fx.GraphModule, choice: Choice, n: int, notes: tuple[str, 
                     nd in backward,
                 )
             )
-    return Plan(
-        n, placements, tuple(colls), choice.mem_bytes, (*notes, *attention_notes(joint, plan, n), *fsdp_notes(joint))
-    )
+    notes = (*notes, *attention_notes(joint, plan, n), *fsdp_notes(joint), *_gather_notes(colls))
+    return Plan(n, placements, tuple(colls), choice.mem_bytes, notes)
+
+
+def _gather_notes(colls: list[Collective]) -> list[str]:
+    """Why each sharded value is all-gathered: the op that reads it whole."""
+    return [
+        f"{c.producer} ({'x'.join(map(str, c.shape))} {c.dtype}, {c.src}) is all-gathered for "
+        f"{c.op} at {c.source}: no exact strategy of that op keeps it {c.src} (it reads the sharded "
+        "dim whole: e.g. x.max(dim), logsumexp, std or flip along the sequence, or an op without a "
+        "rule on integer data); computing it another way, or autosp.annotate(x, 'R') to make the "
+        "gather explicit, is the fix"
+        for c in colls
+        if c.kind == "all_gather"
+    ]

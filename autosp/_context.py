@@ -8,7 +8,7 @@ import enum
 from dataclasses import dataclass, fields
 from typing import Any
 
-__all__ = ["Kernel", "ATTENTION_CHOICES", "Options", "SpContext", "check_policy"]
+__all__ = ["Kernel", "ATTENTION_KERNELS", "ATTENTION_CHOICES", "Options", "SpContext", "check_policy"]
 
 
 class Kernel(enum.StrEnum):
@@ -20,6 +20,10 @@ class Kernel(enum.StrEnum):
     RING = "ring"  # query sequence-sharded, K/V chunks passed around the ranks
     HYBRID = "hybrid"  # Ulysses within sub-groups of a 2D sp mesh, ring across them
     HALO = "halo"  # not attention: a shift along the sequence, boundary rows from the neighbours
+    MERGE = "merge"  # not attention: a reduction whose per-rank results merge by a formula (logsumexp)
+
+
+ATTENTION_KERNELS = frozenset({Kernel.ULYSSES, Kernel.BATCH, Kernel.KV_GATHER, Kernel.RING, Kernel.HYBRID})
 
 
 # what ``shard(attention=...)`` accepts: chosen by cost, or one kernel forced

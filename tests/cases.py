@@ -548,10 +548,11 @@ REDUCTIONS_DRAWN = {
 def splits_along_sequence(op: str, dims) -> bool:
     """Whether the reduction's per-rank partial results along the sequence are combined as such
     (summed, all-reduced MAX or MIN, p-th powers summed); ``x.max(dim)``, which also returns the
-    index, reads the dim whole, as do log-sum-exp, variances and products."""
+    index, reads the dim whole, as do variances and products; a log-sum-exp merges the ranks'
+    own log-sum-exps."""
     if op in ("max", "min"):
         return dims != (1,)
-    return op in ("sum", "mean", "amax", "amin", "norm1", "norm2", "norm3")
+    return op in ("sum", "mean", "amax", "amin", "norm1", "norm2", "norm3", "logsumexp")
 
 
 def drawn_reduction_exactness(op: str, dims, keepdim: bool, L: int) -> dict:

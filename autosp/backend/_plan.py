@@ -132,13 +132,13 @@ def build_plan(joint: fx.GraphModule, choice: Choice, n: int, notes: tuple[str, 
                     nd in backward or u in backward,
                 )
             )
-        if nd is not out_node and plan[nd].kernel == Kernel.HALO and plan[nd].comm:  # boundary rows
+        if nd is not out_node and plan[nd].kernel in (Kernel.HALO, Kernel.MERGE) and plan[nd].comm:
             v = out_vals(nd)[0]
             p = str(plan[nd].outs[0])
             colls.append(
                 Collective(
-                    "halo",
-                    p,
+                    str(plan[nd].kernel),  # boundary rows, or the ranks' reduced results
+                    str(plan[nd].ins[0]),
                     p,
                     tuple(v.shape),
                     _dtype(v),
@@ -176,7 +176,7 @@ def _gather_notes(colls: list[Collective]) -> list[str]:
     return [
         f"{c.producer} ({'x'.join(map(str, c.shape))} {c.dtype}, {c.src}) is all-gathered for "
         f"{c.op} at {c.source}: no exact strategy of that op keeps it {c.src} (it reads the sharded "
-        "dim whole: e.g. x.max(dim), logsumexp, std or flip along the sequence, or an op without a "
+        "dim whole: e.g. x.max(dim), std or flip along the sequence, or an op without a "
         "rule on integer data); computing it another way, or autosp.annotate(x, 'R') to make the "
         "gather explicit, is the fix"
         for c in colls

@@ -6,10 +6,10 @@ into an ATen graph (make_fx) that AOTAutograd's partitioner then splits.
 strategy requires, then the op runs on them. A few ops run otherwise per rank: ``OVERRIDES``,
 keyed by op (dropout draws its own shard's mask; FSDP2's gradient reduce counts a replicated
 gradient once), and ``KERNELS``, keyed by the strategy's kernel (attention on this rank's query
-rows; a shift along the sequence as a halo exchange, ``_shift``). ``localize`` composes, in one
-trace, the interpreter, the tiling of its ops along the sequence when one is given
-(``_tiling``), and the outputs placed as one device returns them (``_outputs``: gradients summed
-over sp, averaged over dp).
+rows; a shift along the sequence as a halo exchange, ``_shift``; a log-sum-exp merged over the
+ranks, ``_merge``). ``localize`` composes, in one trace, the interpreter, the tiling of its ops
+along the sequence when one is given (``_tiling``), and the outputs placed as one device returns
+them (``_outputs``: gradients summed over sp, averaged over dp).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from ..propagate._strategy import Strategy
 from ._attention import SEQUENCE_KERNELS
 from ._collectives import redistribute
 from ._fsdp import REDUCE, fsdp_reduce_call
+from ._merge import MERGE_KERNELS
 from ._outputs import output_specs, place_outputs
 from ._random import dropout_call
 from ._shift import HALO_KERNELS
@@ -42,7 +43,7 @@ aten = torch.ops.aten
 
 # op -> its per-rank call: (node, strategy, target, args, kwargs, ctx) -> (target, args, kwargs)
 OVERRIDES = {aten.native_dropout.default: dropout_call, REDUCE: fsdp_reduce_call}
-KERNELS = {**SEQUENCE_KERNELS, **HALO_KERNELS}  # strategy kernel -> its per-rank call
+KERNELS = {**SEQUENCE_KERNELS, **HALO_KERNELS, **MERGE_KERNELS}  # strategy kernel -> its per-rank call
 _PASS_THROUGH = (operator.getitem, ANNOTATE)  # their (redistributed) input is their value
 # the global graph's strides allowed a view; a collective's output may not
 _VIEWS = (aten.view.default, aten._unsafe_view.default)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from .._context import Kernel, SpContext
+from .._context import ATTENTION_KERNELS, SpContext
 from .._graph import out_vals, tensor_inputs
 from ..errors import PlanError
 from ._annotate import ANNOTATE
@@ -89,7 +89,7 @@ def _justified(s: Strategy, reach) -> bool:
 def _forced(node: fx.Node, strats: list[Strategy], attention: str) -> list[Strategy]:
     """The strategies of the forced attention kernel (attention ops only, and only while the
     query's sequence reached it: before that, the op runs replicated as it would anyway)."""
-    if attention == "auto" or not any(s.kernel and s.kernel != Kernel.HALO for s in strats):
+    if attention == "auto" or not any(s.kernel in ATTENTION_KERNELS for s in strats):
         return strats
     kept = [s for s in strats if s.kernel == attention]
     if not kept:

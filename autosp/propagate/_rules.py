@@ -20,7 +20,8 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial
 
-from .._graph import out_vals, tensor_inputs
+from .._context import Kernel
+from .._graph import nbytes, out_vals, tensor_inputs
 from ._dtensor import dtensor_strategies
 from ._placement import P, R, can_shard, is_even, shard, shard_spec
 from ._placement import shard_specs as _shards
@@ -347,6 +348,20 @@ def _reduction(node, A, n, *, linear: bool, partial=None):
         else:
             e = d if keep else d - sum(1 for r in dims if r < d)
             res.append(Strategy(_each_out(node, shard(e, sf)), (shard(d, sf),)))
+    return _dedup(res)
+
+
+@rule(aten.logsumexp.default)
+def _logsumexp(node, A, n):
+    """Whole along the reduced dims, or split along them: each rank's log-sum-exp of its own
+    elements, gathered (reduced-sized) and merged by a log-sum-exp over the ranks
+    (``partition._merge``); a rank without elements contributes -inf."""
+    dims, _ = _reduce_dims(node)
+    res = _reduction(node, A, n, linear=False)
+    sent = nbytes(_val(node)) * (n - 1)
+    for d, sf in _shards(A[0]):
+        if d in dims and _val(node.args[0]).is_floating_point():
+            res.append(Strategy((R,), (shard(d, sf),), kernel=Kernel.MERGE, comm=sent))
     return _dedup(res)
 
 

@@ -197,8 +197,8 @@ def _check_no_rule(c: Candidates, chosen: dict[fx.Node, Strategy]) -> None:
 def _kernel_cost(s: Strategy, mem_weight: float) -> float:
     """A kernel's own traffic and buffers. Attention's (ring attention's K/V passes, gathered K/V
     held for the backward) are K/V-sized: they carry the sequence once. A halo exchange's are
-    boundary rows, whatever the length, and one collective."""
-    if s.kernel == Kernel.HALO:
+    boundary rows, and a merge's the reduced results, whatever the length: and one collective."""
+    if s.kernel in (Kernel.HALO, Kernel.MERGE):
         return s.comm + (LATENCY_BYTES if s.comm else 0.0)
     return (s.comm + mem_weight * s.held) * SEQ_WEIGHT
 

@@ -308,6 +308,7 @@ REDUCTIONS = {
     "norm": lambda h: h.norm(),
     "vector_norm_3_seq": lambda h: torch.linalg.vector_norm(h, ord=3, dim=1).sum(),
     "std_seq": lambda h: h.std(dim=1).sum(),
+    "var_seq_keepdim": lambda h: (h.var(dim=1, keepdim=True, correction=0) * h).mean(),
     "prod_seq": lambda h: (h.tanh() * 0.1 + 1).prod(dim=1).sum(),
     "prod": lambda h: (h.tanh() * 0.01 + 1).prod(),  # DTensor offers a partial product here
     "logsumexp_seq": lambda h: h.logsumexp(dim=1).sum(),
@@ -548,11 +549,10 @@ REDUCTIONS_DRAWN = {
 def splits_along_sequence(op: str, dims) -> bool:
     """Whether the reduction's per-rank partial results along the sequence are combined as such
     (summed, all-reduced MAX or MIN, p-th powers summed); ``x.max(dim)``, which also returns the
-    index, reads the dim whole, as do variances and products; a log-sum-exp merges the ranks'
-    own log-sum-exps."""
+    index, reads the dim whole, as do products; log-sum-exps and variances merge the ranks' own."""
     if op in ("max", "min"):
         return dims != (1,)
-    return op in ("sum", "mean", "amax", "amin", "norm1", "norm2", "norm3", "logsumexp")
+    return op != "prod"
 
 
 def drawn_reduction_exactness(op: str, dims, keepdim: bool, L: int) -> dict:

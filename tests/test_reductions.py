@@ -41,22 +41,23 @@ def test_non_additive_reductions_match_one_device_and_gather_nothing(pools, kind
         assert not any(k == "all_gather" for k, _ in r["collectives"]), r["collectives"]
 
 
-def test_logsumexp_along_the_sequence_merges_the_ranks_results(pools):
-    """Each rank's log-sum-exp of its own rows, all-gathered (reduced-sized) and merged by a
-    log-sum-exp over the ranks: exact, and the activation is never gathered."""
+@pytest.mark.parametrize("kind", ["logsumexp_seq", "std_seq", "var_seq_keepdim"])
+def test_reductions_along_the_sequence_merge_the_ranks_results(pools, kind):
+    """Each rank's result for its own rows, all-gathered (reduced-sized) and merged: log-sum-exps
+    by a log-sum-exp, variances and standard deviations by Chan's formula from each rank's
+    (count, mean, sum of squared deviations). Exact, and the activation is never gathered."""
     for world, L in ((2, 64), (4, 45)):
-        for r in pools(world).run(cases.reduction_exactness, "logsumexp_seq", 2, L):
+        for r in pools(world).run(cases.reduction_exactness, kind, 2, L):
             _exact(r)
             assert ("merge", "S(1)") in r["collectives"], r["collectives"]
             assert not any(k == "all_gather" for k, _ in r["collectives"]), r["collectives"]
 
 
-@pytest.mark.parametrize("kind", ["prod", "prod_seq", "std_seq"])
+@pytest.mark.parametrize("kind", ["prod", "prod_seq"])
 def test_reductions_without_a_partial_form_stay_exact(pools, kind):
     """A product of every element (DTensor's strategy offers a partial product, which autosp does
-    not reduce: refused at the rule) or along the sequence, and a standard deviation (DTensor's
-    strategy: whole inputs only) run on their input whole: exact, with an all-gather before the
-    op, and no partial product ever reduced by summing."""
+    not reduce: refused at the rule) or along the sequence runs on its input whole: exact, with an
+    all-gather before the op, and no partial product ever reduced by summing."""
     for r in pools(2).run(cases.reduction_exactness, kind, 2, 64):
         _exact(r)
         assert all(src in ("P(sum)", "S(1)", "_S(0, 2)") for _, src in r["collectives"]), r["collectives"]

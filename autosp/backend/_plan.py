@@ -176,7 +176,7 @@ def _gather_notes(colls: list[Collective]) -> list[str]:
     return [
         f"{c.producer} ({'x'.join(map(str, c.shape))} {c.dtype}, {c.src}) is all-gathered for "
         f"{c.op} at {c.source}: no exact strategy of that op keeps it {c.src} (it reads the sharded "
-        "dim whole: e.g. x.max(dim), std or flip along the sequence, or an op without a "
+        "dim whole: e.g. x.max(dim), a product or a flip along the sequence, or an op without a "
         "rule on integer data); computing it another way, or autosp.annotate(x, 'R') to make the "
         "gather explicit, is the fix"
         for c in colls

@@ -351,14 +351,15 @@ def _reduction(node, A, n, *, linear: bool, partial=None):
     return _dedup(res)
 
 
-@rule(aten.logsumexp.default)
-def _logsumexp(node, A, n):
-    """Whole along the reduced dims, or split along them: each rank's log-sum-exp of its own
-    elements, gathered (reduced-sized) and merged by a log-sum-exp over the ranks
-    (``partition._merge``); a rank without elements contributes -inf."""
+@rule(aten.logsumexp.default, aten.var.correction, aten.std.correction)
+def _merged_reduction(node, A, n):
+    """Whole along the reduced dims, or split along them, each rank's result for its own
+    elements gathered (reduced-sized) and merged (``partition._merge``): log-sum-exps by a
+    log-sum-exp over the ranks, variances by Chan's formula from each rank's (count, mean, sum
+    of squared deviations)."""
     dims, _ = _reduce_dims(node)
     res = _reduction(node, A, n, linear=False)
-    sent = nbytes(_val(node)) * (n - 1)
+    sent = nbytes(_val(node)) * (n - 1) * (1 if node.target is aten.logsumexp.default else 3)
     for d, sf in _shards(A[0]):
         if d in dims and _val(node.args[0]).is_floating_point():
             res.append(Strategy((R,), (shard(d, sf),), kernel=Kernel.MERGE, comm=sent))

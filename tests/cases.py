@@ -295,6 +295,18 @@ def _grad_errors(model, ref) -> dict[str, float]:
     return {n: ((a - b).abs().max() / max(b.abs().max().item(), floor)).item() for n, a, b in pairs}
 
 
+def _against_one_device(model, ref, loss_fn, *inputs):
+    """``loss_fn(model, *inputs)`` as one sharded step and ``loss_fn(ref, *inputs)`` on one
+    device, a backward each: (the loss pair, each gradient's error, the sharded step)."""
+    with autosp.mesh():
+        step = autosp.shard(lambda *a: loss_fn(model, *a), compiler="aot_eager")
+        loss = step(*inputs)
+        loss.backward()
+    loss_ref = loss_fn(ref, *inputs)
+    loss_ref.backward()
+    return (loss.item(), loss_ref.item()), _grad_errors(model, ref), step
+
+
 # Reductions users write over activations, along the sequence and over every dim: the ones whose
 # partial results do not add (a maximum, a minimum, a p-norm) are reduced as such, not summed
 REDUCTIONS = {
@@ -324,16 +336,10 @@ def reduction_exactness(kind: str, b: int, L: int) -> dict:
     ref = copy.deepcopy(model)
     vocab = 4 if kind == "max_ties" else 64
     ids = torch.randint(0, vocab, (b, L), generator=torch.Generator().manual_seed(1))
-    fn = REDUCTIONS[kind]
-    with autosp.mesh():
-        step = autosp.shard(lambda ids: fn(model(ids)), compiler="aot_eager")
-        loss = step(ids)
-        loss.backward()
-    loss_ref = fn(ref(ids))
-    loss_ref.backward()
+    loss, err, step = _against_one_device(model, ref, lambda m, ids: REDUCTIONS[kind](m(ids)), ids)
     return {
-        "loss": (loss.item(), loss_ref.item()),
-        "grad_err": _grad_errors(model, ref),
+        "loss": loss,
+        "grad_err": err,
         "collectives": sorted({(c.kind, c.src) for c in step.plan.collectives}),
     }
 
@@ -405,15 +411,10 @@ def shift_exactness(kind: str, b: int, L: int) -> dict:
         h, targets = SHIFTS[kind](m[1](m[0](ids)), ids, m)
         return torch.nn.functional.cross_entropy(m[2](h).flatten(0, 1), targets.flatten())
 
-    with autosp.mesh():
-        step = autosp.shard(lambda ids: fn(model, ids), compiler="aot_eager")
-        loss = step(ids)
-        loss.backward()
-    loss_ref = fn(ref, ids)
-    loss_ref.backward()
+    loss, err, step = _against_one_device(model, ref, fn, ids)
     return {
-        "loss": (loss.item(), loss_ref.item()),
-        "grad_err": _grad_errors(model, ref),
+        "loss": loss,
+        "grad_err": err,
         "collectives": sorted({(c.kind, c.src) for c in step.plan.collectives}),
         "halo_bytes": [c.bytes_per_rank for c in step.plan.collectives if c.kind == "halo"],
     }
@@ -486,23 +487,17 @@ def op_exactness(kind: str, b: int, L: int) -> dict:
     and the plan's collective kinds."""
     torch.manual_seed(0)
     nn = torch.nn
-    model = nn.Sequential(nn.Embedding(64, 16), nn.Linear(16, 16))
-    head = nn.Linear(16, 64)
-    ref, ref_head = copy.deepcopy(model), copy.deepcopy(head)
+    model = nn.ModuleList([nn.Embedding(64, 16), nn.Linear(16, 16), nn.Linear(16, 64)])
+    ref = copy.deepcopy(model)
     ids = torch.randint(0, 64, (b, L), generator=torch.Generator().manual_seed(1))
 
-    def fn(m, hd, ids):
-        return torch.nn.functional.cross_entropy(hd(OPS[kind](m(ids))).flatten(0, 1), ids.flatten())
+    def fn(m, ids):
+        return torch.nn.functional.cross_entropy(m[2](OPS[kind](m[1](m[0](ids)))).flatten(0, 1), ids.flatten())
 
-    with autosp.mesh():
-        step = autosp.shard(lambda ids: fn(model, head, ids), compiler="aot_eager")
-        loss = step(ids)
-        loss.backward()
-    loss_ref = fn(ref, ref_head, ids)
-    loss_ref.backward()
+    loss, err, step = _against_one_device(model, ref, fn, ids)
     return {
-        "loss": (loss.item(), loss_ref.item()),
-        "grad_err": {**_grad_errors(model, ref), **_grad_errors(head, ref_head)},
+        "loss": loss,
+        "grad_err": err,
         "kinds": sorted({c.kind for c in step.plan.collectives}),
     }
 
@@ -513,15 +508,10 @@ def complex_rope_exactness(b: int, L: int) -> dict:
     model = ComplexRopeAttention()
     ref = copy.deepcopy(model)
     ids = torch.randint(0, 64, (b, L), generator=torch.Generator().manual_seed(1))
-    with autosp.mesh():
-        step = autosp.shard(lambda ids: model(ids), compiler="aot_eager")
-        loss = step(ids)
-        loss.backward()
-    loss_ref = ref(ids)
-    loss_ref.backward()
+    loss, err, step = _against_one_device(model, ref, lambda m, ids: m(ids), ids)
     return {
-        "loss": (loss.item(), loss_ref.item()),
-        "grad_err": _grad_errors(model, ref),
+        "loss": loss,
+        "grad_err": err,
         "kinds": sorted({c.kind for c in step.plan.collectives}),
         "all_to_alls": step.plan.count("all_to_all"),
     }
@@ -568,15 +558,10 @@ def drawn_reduction_exactness(op: str, dims, keepdim: bool, L: int) -> dict:
     model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 16, bias=False))
     ref = copy.deepcopy(model)
     ids = torch.randint(0, 64, (2, L), generator=torch.Generator().manual_seed(1))
-    with autosp.mesh():
-        step = autosp.shard(lambda ids: loss_of(model(ids)), compiler="aot_eager")
-        loss = step(ids)
-        loss.backward()
-    loss_ref = loss_of(ref(ids))
-    loss_ref.backward()
+    loss, err, step = _against_one_device(model, ref, lambda m, ids: loss_of(m(ids)), ids)
     return {
-        "loss": (loss.item(), loss_ref.item()),
-        "grad_err": _grad_errors(model, ref),
+        "loss": loss,
+        "grad_err": err,
         "gathered": any(c.kind == "all_gather" for c in step.plan.collectives),
     }
 

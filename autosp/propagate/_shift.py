@@ -108,6 +108,11 @@ def halo_pieces(w: Window, n: int) -> list[tuple[int, int, int, int]]:
     return pieces
 
 
+def _row_bytes(v, dim: int) -> float:
+    """Bytes of one row of ``v`` along ``dim``."""
+    return v.element_size() * v.numel() / max(v.shape[dim], 1)
+
+
 def halo_bytes(w: Window, n: int, row_bytes: float) -> float:
     """Bytes the busiest rank sends to the others (rows of ``row_bytes``)."""
     sent = [0] * n
@@ -134,8 +139,8 @@ def _window_rule(node: fx.Node, A: Sets, n: int, *, linear: bool) -> list[Strate
             res.append(Strategy((shard(d, sf),), (shard(d, sf),)))
         elif w is not None and sf == 1 and w.size_out > 0 and (x.is_floating_point() or x.is_complex()):
             # integer and bool data (labels, masks, positions) are bookkeeping, replicated cheaply
-            row = x.element_size() * x.numel() // max(x.shape[d], 1)
-            res.append(Strategy((shard(d),), (shard(d),), kernel=Kernel.HALO, comm=halo_bytes(w, n, row)))
+            comm = halo_bytes(w, n, _row_bytes(x, d))
+            res.append(Strategy((shard(d),), (shard(d),), kernel=Kernel.HALO, comm=comm))
     return dedup(res)
 
 
@@ -187,10 +192,6 @@ def conv_windows(node: fx.Node) -> tuple[Window, Window] | None:
     return Window(2, size_in, size_out, -pad, extra=reach), Window(2, size_out, size_in, pad - reach, extra=reach)
 
 
-def _row_bytes(v) -> float:
-    return v.element_size() * v.numel() / max(v.shape[2], 1)
-
-
 @rule(aten.convolution.default)
 def _convolution(node, A, n):
     """Replicated; split over the batch; or split along the sequence, each rank reading the
@@ -202,7 +203,7 @@ def _convolution(node, A, n):
         res.append(Strategy((shard(0),), (shard(0),) + (R,) * (k - 1)))
     ws = conv_windows(node)
     if ws is not None and shard(2) in A[0] and ws[0].size_out > 0:
-        comm = halo_bytes(ws[0], n, _row_bytes(x))
+        comm = halo_bytes(ws[0], n, _row_bytes(x, 2))
         res.append(Strategy((shard(2),), (shard(2),) + (R,) * (k - 1), kernel=Kernel.HALO, comm=comm))
     return res
 
@@ -222,8 +223,8 @@ def _convolution_bwd(node, A, n):
     ws = conv_windows(node)
     if ws is not None and shard(2) in A[0] and shard(2) in A[1]:
         x, g = out_vals(node.args[1])[0], out_vals(node.args[0])[0]
-        comm = (halo_bytes(ws[0], n, _row_bytes(x)) if mask[1] or mask[2] else 0.0) + (
-            halo_bytes(ws[1], n, _row_bytes(g)) if mask[0] else 0.0
+        comm = (halo_bytes(ws[0], n, _row_bytes(x, 2)) if mask[1] or mask[2] else 0.0) + (
+            halo_bytes(ws[1], n, _row_bytes(g, 2)) if mask[0] else 0.0
         )
         res.append(Strategy(outs(shard(2), P), (shard(2), shard(2), R), kernel=Kernel.HALO, comm=comm))
     return res
@@ -271,7 +272,7 @@ def _pieces_strategy(node: fx.Node, A: Sets, n: int, dim: int, ws: list[Window],
     if not (any(s in a for a in A) and all(s in a or R in a for a in A) and all(map(_float, vals))):
         return None
     vals = vals if len(vals) == len(ws) else vals * len(ws)  # a roll: two windows of one input
-    comm = sum(halo_bytes(w, n, v.element_size() * v.numel() / max(v.shape[dim], 1)) for w, v in zip(ws, vals))
+    comm = sum(halo_bytes(w, n, _row_bytes(v, dim)) for w, v in zip(ws, vals))
     return Strategy((s,), (s,) * k, kernel=Kernel.HALO, comm=comm)
 
 

@@ -21,6 +21,7 @@ class Kernel(enum.StrEnum):
     HYBRID = "hybrid"  # Ulysses within sub-groups of a 2D sp mesh, ring across them
     HALO = "halo"  # not attention: a shift along the sequence, boundary rows from the neighbours
     MERGE = "merge"  # not attention: a reduction whose per-rank results merge by a formula (logsumexp)
+    OWN_ROWS = "own_rows"  # not attention: a scatter to global rows of the sharded dim, into this rank's
 
 
 ATTENTION_KERNELS = frozenset({Kernel.ULYSSES, Kernel.BATCH, Kernel.KV_GATHER, Kernel.RING, Kernel.HYBRID})

@@ -315,7 +315,7 @@ REDUCTIONS = {
     "amax": lambda h: h.amax(),
     "amax_seq": lambda h: h.amax(dim=1).sum(),
     "amin_seq_keepdim": lambda h: (h - h.amin(dim=1, keepdim=True)).pow(2).mean(),
-    "max_ties": lambda h: h.max(),  # with 4 token ids, the largest element recurs on every rank
+    "max_ties": lambda h: h.max(),
     "vector_norm_seq": lambda h: torch.linalg.vector_norm(h, dim=1).sum(),
     "norm": lambda h: h.norm(),
     "vector_norm_3_seq": lambda h: torch.linalg.vector_norm(h, ord=3, dim=1).sum(),
@@ -324,6 +324,10 @@ REDUCTIONS = {
     "prod_seq": lambda h: (h.tanh() * 0.1 + 1).prod(dim=1).sum(),
     "prod": lambda h: (h.tanh() * 0.01 + 1).prod(),  # DTensor offers a partial product here
     "logsumexp_seq": lambda h: h.logsumexp(dim=1).sum(),
+    # the values carry the gradient, the indices weigh them: a wrong winner changes the loss
+    "max_dim_seq": lambda h: (h.max(dim=1).values * (1 + h.argmin(dim=1))).sum(),
+    "min_dim_seq_keepdim_ties": lambda h: (lambda m: (m.values * (1 + m.indices)).sum())(h.min(1, keepdim=True)),
+    "max_dim_ties": lambda h: (h.max(dim=1).values * (1 + h.argmax(dim=1))).sum(),
 }
 
 
@@ -334,13 +338,14 @@ def reduction_exactness(kind: str, b: int, L: int) -> dict:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 16, bias=False))
     ref = copy.deepcopy(model)
-    vocab = 4 if kind == "max_ties" else 64
+    vocab = 4 if kind.endswith("_ties") else 64  # the largest element recurs, on every rank
     ids = torch.randint(0, vocab, (b, L), generator=torch.Generator().manual_seed(1))
     loss, err, step = _against_one_device(model, ref, lambda m, ids: REDUCTIONS[kind](m(ids)), ids)
     return {
         "loss": loss,
         "grad_err": err,
         "collectives": sorted({(c.kind, c.src) for c in step.plan.collectives}),
+        "scatters": sorted({p for name, ps in step.plan.placements.items() if name.startswith("scatter") for p in ps}),
     }
 
 
@@ -538,10 +543,8 @@ REDUCTIONS_DRAWN = {
 
 def splits_along_sequence(op: str, dims) -> bool:
     """Whether the reduction's per-rank partial results along the sequence are combined as such
-    (summed, all-reduced MAX or MIN, p-th powers summed); ``x.max(dim)``, which also returns the
-    index, reads the dim whole, as do products; log-sum-exps and variances merge the ranks' own."""
-    if op in ("max", "min"):
-        return dims != (1,)
+    (summed, all-reduced MAX or MIN, p-th powers summed) or merged (log-sum-exps, variances,
+    ``x.max(dim)`` with its index); a product reads the dim whole."""
     return op != "prod"
 
 

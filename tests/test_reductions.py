@@ -41,16 +41,23 @@ def test_non_additive_reductions_match_one_device_and_gather_nothing(pools, kind
         assert not any(k == "all_gather" for k, _ in r["collectives"]), r["collectives"]
 
 
-@pytest.mark.parametrize("kind", ["logsumexp_seq", "std_seq", "var_seq_keepdim"])
+@pytest.mark.parametrize(
+    "kind", ["logsumexp_seq", "std_seq", "var_seq_keepdim", "max_dim_seq", "min_dim_seq_keepdim_ties", "max_dim_ties"]
+)
 def test_reductions_along_the_sequence_merge_the_ranks_results(pools, kind):
     """Each rank's result for its own rows, all-gathered (reduced-sized) and merged: log-sum-exps
     by a log-sum-exp, variances and standard deviations by Chan's formula from each rank's
-    (count, mean, sum of squared deviations). Exact, and the activation is never gathered."""
-    for world, L in ((2, 64), (4, 45)):
+    (count, mean, sum of squared deviations), ``max(dim)`` / ``argmin(dim)`` from each rank's
+    (value, global index), the first index winning ties within and across ranks as on one
+    device, the gradient scattered into the winner's row on its rank. Exact, and the activation
+    is never gathered. On 4 ranks with 3 tokens one rank holds none and offers no candidate."""
+    for world, L in ((2, 64), (4, 45), (4, 3)):
         for r in pools(world).run(cases.reduction_exactness, kind, 2, L):
             _exact(r)
             assert ("merge", "S(1)") in r["collectives"], r["collectives"]
             assert not any(k == "all_gather" for k, _ in r["collectives"]), r["collectives"]
+            # the selection's gradient is scattered on the rank holding the row, not whole on each
+            assert r["scatters"] == (["S(1)"] if "_dim_" in kind else []), r["scatters"]
 
 
 @pytest.mark.parametrize("kind", ["prod", "prod_seq"])

@@ -5,11 +5,12 @@ into an ATen graph (make_fx) that AOTAutograd's partitioner then splits.
 ``Localizer`` is the interpreter: each node's inputs are redistributed to the placements its
 strategy requires, then the op runs on them. A few ops run otherwise per rank: ``OVERRIDES``,
 keyed by op (dropout draws its own shard's mask; FSDP2's gradient reduce counts a replicated
-gradient once), and ``KERNELS``, keyed by the strategy's kernel (attention on this rank's query
-rows; a shift along the sequence as a halo exchange, ``_shift``; a log-sum-exp merged over the
-ranks, ``_merge``). ``localize`` composes, in one trace, the interpreter, the tiling of its ops
-along the sequence when one is given (``_tiling``), and the outputs placed as one device returns
-them (``_outputs``: gradients summed over sp, averaged over dp).
+gradient once; a sharded factory makes its local shape), and ``KERNELS``, keyed by the
+strategy's kernel (attention on this rank's query rows; a shift along the sequence as a halo
+exchange, ``_shift``; a log-sum-exp merged over the ranks, ``_merge``; a scatter into this
+rank's own rows, ``_scatter``). ``localize`` composes, in one trace, the interpreter, the tiling
+of its ops along the sequence when one is given (``_tiling``), and the outputs placed as one
+device returns them (``_outputs``: gradients summed over sp, averaged over dp).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from .._context import SpContext
 from .._graph import out_vals, tensor_inputs
 from ..errors import PlanError
 from ..propagate._annotate import ANNOTATE
-from ..propagate._placement import local_shape, redistribute_kind
+from ..propagate._placement import local_shape, redistribute_kind, shard_spec
+from ..propagate._rules import FILLED_FACTORIES
 from ..propagate._solver import Choice
 from ..propagate._strategy import Strategy
 from ._attention import SEQUENCE_KERNELS
@@ -34,6 +36,7 @@ from ._fsdp import REDUCE, fsdp_reduce_call
 from ._merge import MERGE_KERNELS
 from ._outputs import output_specs, place_outputs
 from ._random import dropout_call
+from ._scatter import OWN_ROWS_KERNELS
 from ._shift import HALO_KERNELS
 from ._tiling import SHAPE_ARG, TileRunner, Tiling
 
@@ -41,9 +44,24 @@ __all__ = ["Localizer", "localize", "OVERRIDES"]
 
 aten = torch.ops.aten
 
+
+def _factory_call(nd, s, target, args, kwargs, ctx):
+    """A tensor of one value placed as a shard: made in this rank's shape."""
+    if shard_spec(s.outs[0]) is None:
+        return target, args, kwargs
+    j = FILLED_FACTORIES[target]
+    shape = local_shape(out_vals(nd)[0].shape, s.outs[0], ctx.n, ctx.rank)
+    return target, (*args[:j], shape, *args[j + 1 :]), kwargs
+
+
 # op -> its per-rank call: (node, strategy, target, args, kwargs, ctx) -> (target, args, kwargs)
-OVERRIDES = {aten.native_dropout.default: dropout_call, REDUCE: fsdp_reduce_call}
-KERNELS = {**SEQUENCE_KERNELS, **HALO_KERNELS, **MERGE_KERNELS}  # strategy kernel -> its per-rank call
+OVERRIDES = {
+    aten.native_dropout.default: dropout_call,
+    REDUCE: fsdp_reduce_call,
+    **dict.fromkeys(FILLED_FACTORIES, _factory_call),
+}
+# strategy kernel -> its per-rank call
+KERNELS = {**SEQUENCE_KERNELS, **HALO_KERNELS, **MERGE_KERNELS, **OWN_ROWS_KERNELS}
 _PASS_THROUGH = (operator.getitem, ANNOTATE)  # their (redistributed) input is their value
 # the global graph's strides allowed a view; a collective's output may not
 _VIEWS = (aten.view.default, aten._unsafe_view.default)

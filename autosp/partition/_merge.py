@@ -2,7 +2,9 @@
 (``Kernel.MERGE``), each rank's results all-gathered (reduced-sized, never the input): a
 log-sum-exp along the sharded dim is merged by a log-sum-exp over the ranks (a rank without
 elements contributes -inf, which the merge ignores); a variance or standard deviation by Chan's
-formula from each rank's (count, mean, sum of squared deviations)."""
+formula from each rank's (count, mean, sum of squared deviations); a maximum or minimum along the
+dim with its index (``max(dim)``, ``argmax``) from each rank's (value, global index), the first
+index winning ties as on one device."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 from .._context import Kernel
+from .._graph import out_vals
+from ..propagate._placement import chunks, offsets, shard_spec
 
 __all__ = ["MERGE_KERNELS"]
 
@@ -46,9 +50,47 @@ def _variance(x, dim=None, *, correction=None, keepdim=False, std: bool, n: int,
     return out if keepdim else out.squeeze(dims)
 
 
+def _extremum_at(x, dim, keepdim=False, *, largest: bool, values: bool, block: int, sf: int, rank: int, n: int, group):
+    """``max(x, dim)`` (``values``) or ``argmax(x, dim)`` (``largest``; else min / argmin) of the
+    global tensor, from this rank's rows of ``sf`` blocks of ``block``: each rank's extremum and
+    its global index (a rank without rows offers none), gathered; the extremum of those, and of
+    its holders the least index (NaN wins, as on one device)."""
+    d = dim % x.ndim
+    cs = chunks(block, n)
+    c, off = cs[rank], offsets(cs)[rank]
+    if x.shape[d]:
+        v, i = (torch.max if largest else torch.min)(x, d, keepdim=True)
+        i = i // c * block + off + i % c
+    else:  # none, computed from x: an exchange of constants alone would be traced out on this rank
+        v = x.sum(d, keepdim=True) + (-math.inf if largest else math.inf)
+        i = v.new_zeros(v.shape, dtype=torch.long) + sf * block  # past every real index
+    vs = funcol.all_gather_tensor(v.contiguous(), 0, group).reshape(n, *v.shape)
+    idx = funcol.all_gather_tensor(i.contiguous(), 0, group).reshape(n, *i.shape)
+    best = vs.amax(0) if largest else vs.amin(0)  # NaN propagates, as max does
+    held = (vs == best) | (vs.isnan() & best.isnan())
+    i = torch.where(held, idx, sf * block).amin(0)
+    if not keepdim:
+        best, i = best.squeeze(d), i.squeeze(d)
+    return (best, i) if values else i
+
+
+_EXTREMA = {
+    torch.ops.aten.max.dim: (True, True),
+    torch.ops.aten.min.dim: (False, True),
+    torch.ops.aten.argmax.default: (True, False),
+    torch.ops.aten.argmin.default: (False, False),
+}
+
+
 def _merge_call(nd, s, target, args, kwargs, ctx):
     """(call, args, kwargs) of a reduction run as a merge of the ranks' results."""
     common = dict(n=ctx.n, group=ctx.group)
+    if target in _EXTREMA:
+        largest, values = _EXTREMA[target]
+        d, sf = shard_spec(s.ins[0])
+        block = out_vals(nd.args[0])[0].shape[d] // sf
+        call = functools.partial(_extremum_at, largest=largest, values=values, block=block, sf=sf, rank=ctx.rank)
+        return functools.partial(call, **common), args, kwargs
     if target is torch.ops.aten.logsumexp.default:
         return functools.partial(_logsumexp, **common), args, kwargs
     std = target is torch.ops.aten.std.correction

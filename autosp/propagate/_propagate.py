@@ -22,7 +22,7 @@ from ..errors import PlanError
 from ._annotate import ANNOTATE
 from ._attention import hybrid_strategies
 from ._placement import P, R, can_shard, is_shard, shard, shard_spec
-from ._rules import strategies_for
+from ._rules import FACTORIES, FILLED_FACTORIES, selection_read, strategies_for
 from ._strategy import Strategy
 
 __all__ = ["Candidates", "propagate"]
@@ -86,6 +86,13 @@ def _justified(s: Strategy, reach) -> bool:
     return any(q != R and _activation(reach[j]) for j, q in enumerate(s.ins))
 
 
+def _asked_factory(node: fx.Node, s: Strategy, wanted_out: list[frozenset]) -> bool:
+    """A tensor of one value may be made sharded where a later op asks for it so (the zeros a
+    selection's gradient is scattered into): a free slice of a replicated one, without the
+    whole tensor."""
+    return node.target in FILLED_FACTORIES and all(o in w for o, w in zip(s.outs, wanted_out) if o is not None)
+
+
 def _forced(node: fx.Node, strats: list[Strategy], attention: str) -> list[Strategy]:
     """The strategies of the forced attention kernel (attention ops only, and only while the
     query's sequence reached it: before that, the op runs replicated as it would anyway)."""
@@ -131,6 +138,9 @@ def _visit(c: Candidates, node: fx.Node, ctx: SpContext, wanted: dict) -> None:
     seq_in = [c.seq[(u, i)] for u, i in ins]
     for i, sq in enumerate(_seq_carrying(node, seq_in, ctx)):
         c.seq[(node, i)] = sq
+    read = selection_read(node)
+    if read is not None:  # a selection's gradient goes back into the rows it read, as they carried it
+        c.seq[(node, 0)] = c.seq[(node, 0)] | c.seq[read]
     if node.target is ANNOTATE:  # where the annotated sequence starts
         c.seq[(node, 0)] = frozenset(s.outs[0] for s in strategies_for(node, reach, n, ctx.mesh) if is_shard(s.outs[0]))
     # an input may be asked for what reached it, any layout that carries the sequence (an
@@ -143,7 +153,9 @@ def _visit(c: Candidates, node: fx.Node, ctx: SpContext, wanted: dict) -> None:
     if strats is None:
         c.no_rule.add(node)
         strats = [Strategy(tuple(R if v is not None else None for v in out_vals(node)), tuple(R for _ in ins))]
-    strats = _forced(node, [s for s in strats if _justified(s, reach)], ctx.options.attention)
+    wanted_out = [wanted.get((node, i), frozenset()) for i in range(len(out_vals(node)))]
+    strats = [s for s in strats if _justified(s, reach) or _asked_factory(node, s, wanted_out)]
+    strats = _forced(node, strats, ctx.options.attention)
     c.strategies[node] = strats
     for i, v in enumerate(out_vals(node)):
         if v is not None:
@@ -162,7 +174,7 @@ def _wants(gm: fx.GraphModule, c: Candidates, ctx: SpContext) -> dict:
                     if q not in c.reach[key]:
                         wanted[key].add(q)
     for node in reversed(list(gm.graph.nodes)):
-        if node.op != "call_function":
+        if node.op != "call_function" or node.target in FACTORIES:  # a factory's input gives its dtype only
             continue
         ins = tensor_inputs(node)
         for i in range(len(out_vals(node))):

@@ -28,7 +28,7 @@ from ._placement import shard_specs as _shards
 from ._strategy import PROVENANCE, RULES, Sets, Strategy, provenance, rule
 from ._strategy import dedup as _dedup
 
-__all__ = ["strategies_for", "VIEW_OPS", "cat_rule"]
+__all__ = ["strategies_for", "VIEW_OPS", "cat_rule", "FACTORIES", "FILLED_FACTORIES", "selection_read"]
 
 aten = torch.ops.aten
 
@@ -378,11 +378,25 @@ def _extremum(node, A, n):
     return _reduction(node, A, n, linear=False, partial=Partial("max" if node.target is aten.amax.default else "min"))
 
 
+@rule(aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default)
+def _extremum_at(node, A, n):
+    """The largest (smallest) element along one dim and where it lies: whole along the dim, or
+    split along it, each rank's (value, global index) for its own rows gathered (reduced-sized)
+    and merged (``partition._merge``), the first index winning ties as on one device. Their
+    gradient scatters into the winning row, on the rank that holds it (``_scatter``)."""
+    res = _reduction(node, A, n, linear=False)
+    if len(node.args) < 2 or node.args[1] is None or not _val(node.args[0]).is_floating_point():
+        return res  # an argmax of every element indexes the flattened tensor: read whole
+    x, idx = _val(node.args[0]), out_vals(node)[-1]
+    d = node.args[1] % max(x.ndim, 1)
+    sent = idx.numel() * (idx.element_size() + x.element_size()) * (n - 1)  # (value, index) pairs
+    for e, sf in _shards(A[0]):
+        if e == d:
+            res.append(Strategy(_each_out(node, R), (shard(d, sf),), kernel=Kernel.MERGE, comm=sent))
+    return _dedup(res)
+
+
 @rule(
-    aten.max.dim,
-    aten.min.dim,
-    aten.argmax.default,
-    aten.argmin.default,
     aten.any.dim,
     aten.all.dim,
     aten.prod.dim_int,
@@ -520,6 +534,9 @@ def _gather(node, A, n):
 
 @rule(aten.scatter.value, aten.scatter.src, aten.scatter_add.default)
 def _scatter(node, A, n):
+    """Along another dim, everything sharded alike. Along the sharded dim itself, with the index
+    (global rows) and source whole: each rank writes the entries that land in its own rows
+    (``partition._scatter``), e.g. ``max(dim)``'s gradient into the winning row."""
     dim = node.args[1] % _val(node).ndim
     k = len(tensor_inputs(node))
     res = [Strategy((R,), tuple(R for _ in range(k)))]
@@ -528,7 +545,35 @@ def _scatter(node, A, n):
             if d != dim:
                 p = shard(d, sf)
                 res.append(Strategy((p,), tuple(p for _ in range(k))))
+    for d, sf in _shards(A[0]):
+        if d == dim:
+            p = shard(d, sf)
+            res.append(Strategy((p,), (p,) + (R,) * (k - 1), kernel=Kernel.OWN_ROWS))
+    if k == 3 and selection_read(node) is not None:
+        # a selection's gradient (max(dim)'s): back into the rows the selection read, laid out as
+        # they were, though nothing sharded reaches the zeros it starts from
+        res.append(Strategy((shard(dim),), (shard(dim), R, R), kernel=Kernel.OWN_ROWS, introduces=True))
     return _dedup(res)
+
+
+_SELECTIONS = (aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default)
+_INDEX_VIEWS = (aten.unsqueeze.default, aten.view.default, aten.reshape.default, aten.expand.default)
+
+
+def selection_read(node: fx.Node) -> tuple[fx.Node, int] | None:
+    """For a scatter of a selection's gradient (``max(x, dim)``'s: into zeros like ``x``, at the
+    indices the selection found along ``dim``), the selection's input ``x``; else None."""
+    if node.target not in (aten.scatter.src, aten.scatter_add.default, aten.scatter.value):
+        return None
+    dim, index, shape = node.args[1] % _val(node).ndim, node.args[2], _val(node).shape
+    while isinstance(index, fx.Node) and index.target in (*_INDEX_VIEWS, operator.getitem):
+        index = index.args[0]
+    if not isinstance(index, fx.Node) or index.target not in _SELECTIONS or len(index.args) < 2:
+        return None
+    x = _val(index.args[0])
+    if tuple(x.shape) != tuple(shape) or index.args[1] is None or index.args[1] % x.ndim != dim:
+        return None
+    return tensor_inputs(index)[0]
 
 
 @rule(aten.select.int)
@@ -637,30 +682,55 @@ def _getitem(node, A, n):
 # factories: computed whole on every rank (cheap, sequence-sized at most), sliced where needed
 
 
-@rule(
-    aten.arange.default,
-    aten.arange.start,
-    aten.arange.start_step,
-    aten.full.default,
-    aten.zeros.default,
-    aten.ones.default,
-    aten.empty.memory_format,
-    aten.scalar_tensor.default,
-    aten.new_zeros.default,
-    aten.new_ones.default,
-    aten.new_full.default,
-    aten.new_empty.default,
-    aten.empty_strided.default,
-    aten.lift_fresh.default,
-    aten.new_empty_strided.default,
+# ops whose tensor argument (``x.new_zeros(size)``) gives only dtype and device
+FACTORIES = frozenset(
+    {
+        aten.arange.default,
+        aten.arange.start,
+        aten.arange.start_step,
+        aten.full.default,
+        aten.zeros.default,
+        aten.ones.default,
+        aten.empty.memory_format,
+        aten.scalar_tensor.default,
+        aten.new_zeros.default,
+        aten.new_ones.default,
+        aten.new_full.default,
+        aten.new_empty.default,
+        aten.empty_strided.default,
+        aten.lift_fresh.default,
+        aten.new_empty_strided.default,
+    }
 )
+
+
+@rule(*FACTORIES)
 def _factory(node, A, n):
     """A factory's tensor argument (``x.new_zeros(size)``) gives only dtype and device: it stays
-    wherever it is, never gathered for this."""
+    wherever it is, never gathered for this. A tensor of one value can also be made sharded, in
+    its local shape (``partition._localize``), rather than whole and then sliced."""
     ins = tensor_inputs(node)
     if len(ins) == 1 and node.target is not aten.lift_fresh.default:
-        return [Strategy((R,), (p,)) for p in sorted(A[0], key=str)]
-    return [Strategy((R,), tuple(R for _ in ins))]
+        srcs = sorted(A[0], key=str)
+        res = [Strategy((R,), (p,)) for p in srcs]
+    else:
+        srcs, res = [R], [Strategy((R,), tuple(R for _ in ins))]
+    if node.target in FILLED_FACTORIES:
+        res += [Strategy((shard(d),), (p,) * len(ins)) for d in range(_val(node).ndim) for p in srcs]
+    return res
+
+
+# factories of one value everywhere, and where their size argument is
+FILLED_FACTORIES = {
+    aten.zeros.default: 0,
+    aten.ones.default: 0,
+    aten.full.default: 0,
+    aten.empty.memory_format: 0,
+    aten.new_zeros.default: 1,
+    aten.new_ones.default: 1,
+    aten.new_full.default: 1,
+    aten.new_empty.default: 1,
+}
 
 
 # a softmax over the key positions still carries them (hand-written attention)

@@ -371,7 +371,7 @@ def _conv(conv, h, L=None):
 # roll), a causal convolution by slices, a slice with both ends, a pad with a value, a roll that
 # wraps around, a flip along the features, and convolution modules along the sequence:
 # Mamba's causal depthwise one (padded by k - 1 each side, cut to the length) and a dense, dilated,
-# "same"-padded one
+# "same"-padded one; and sliding windows by unfold (a hand-written convolution's)
 SHIFTS = {
     "logits_shift": lambda h, ids, m: (h[:, :-1], ids[:, 1:]),
     "token_shift_pad": lambda h, ids, m: (_token_shift(h, lambda x: torch.nn.functional.pad(x, (0, 0, 1, -1))), ids),
@@ -391,6 +391,7 @@ SHIFTS = {
     "flip_features": lambda h, ids, m: (h + 0.5 * h.flip(-1), ids),
     "conv1d_causal": lambda h, ids, m: (torch.nn.functional.silu(_conv(m[3], h, h.shape[1])), ids),
     "conv1d_same_dilated": lambda h, ids, m: (_conv(m[4], h), ids),
+    "unfold_window": lambda h, ids, m: ((h.unfold(1, 4, 1) * torch.linspace(0.2, 1.0, 4)).sum(-1), ids[:, 3:]),
 }
 
 

@@ -34,6 +34,7 @@ CASES = (
     [(k, 4, 45) for k in cases.SHIFTS]
     + [(k, 2, 64) for k in (*MAIN, "token_shift_cat", "roll_wrap")]
     + [(k, w, L) for k in MAIN for w, L in [(4, 64), (2, 7), (4, 3)]]
+    + [("unfold_window", 2, 7), ("unfold_window", 4, 6)]  # 6 rows over 4: one rank has no window
 )
 
 

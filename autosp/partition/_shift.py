@@ -13,7 +13,7 @@ import torch.distributed._functional_collectives as funcol
 
 from .._context import Kernel
 from ..propagate._placement import chunks, offsets
-from ..propagate._shift import Window, concat_windows, conv_windows, halo_pieces, window_of
+from ..propagate._shift import Window, concat_windows, conv_windows, halo_pieces, unfold_windows, window_of
 
 __all__ = ["shifted", "window_rows", "HALO_KERNELS"]
 
@@ -90,13 +90,36 @@ def _identity(x):
     return x
 
 
-def _at_least(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """``t`` with zero rows appended along dim 2 up to ``rows``: the CPU convolution kernels
-    refuse an input shorter than the kernel, which a rank with no rows of its own has. The
-    result still reads ``t``, so a rank's exchange is never dead code there alone."""
-    if t.shape[2] >= rows:
+def _at_least(t: torch.Tensor, rows: int, dim: int = 2) -> torch.Tensor:
+    """``t`` with zero rows appended along ``dim`` up to ``rows``: the CPU convolution kernels
+    (and unfold) refuse an input shorter than the kernel, which a rank with no rows of its own
+    has. The result still reads ``t``, so a rank's exchange is never dead code there alone."""
+    if t.shape[dim] >= rows:
         return t
-    return torch.cat([t, t.new_zeros(*t.shape[:2], rows - t.shape[2])], dim=2)
+    shape = list(t.shape)
+    shape[dim] = rows - t.shape[dim]
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+
+def _unfold(nd, x, dim, size, step, *, ctx):
+    """This rank's windows: the unfold of its rows and the ``size - 1`` rows after them."""
+    d, _, win, _ = unfold_windows(nd)
+    rows = chunks(win.size_out, ctx.n)[ctx.rank]
+    xw = _at_least(shifted(x, win, ctx.n, ctx.rank, ctx.group), size, d)
+    return xw.unfold(d, size, 1).narrow(d, 0, rows)
+
+
+def _unfold_backward(nd, g, input_sizes, dim, size, step, *, ctx):
+    """This rank's rows' gradient: from the windows that read them (the ``size - 1`` windows
+    before its own too), the gradient of their unfold, of which the rows past the first
+    ``size - 1`` are this rank's."""
+    d, _, _, gwin = unfold_windows(nd)
+    rows = chunks(gwin.size_out, ctx.n)[ctx.rank]
+    gg = _at_least(shifted(g, gwin, ctx.n, ctx.rank, ctx.group), 1, d)
+    sizes = list(g.shape[:-1])
+    sizes[d] = gg.shape[d] + size - 1
+    gi = torch.ops.aten.unfold_backward.default(gg, sizes, d, size, 1)
+    return gi.narrow(d, size - 1, rows)
 
 
 def _convolution(nd, x, w, bias, stride, padding, dilation, transposed, output_padding, groups, *, ctx):
@@ -135,11 +158,16 @@ def _convolution_backward(
 def _halo_call(nd, s, target, args, kwargs, ctx):
     """(call, args, kwargs) of an op run as a halo exchange: a slice, slice gradient or pad (the
     window is the op's whole result), a cat or roll (its pieces' rows, in order; a roll along
-    other dims too runs locally after), a convolution or its backward along the sequence."""
+    other dims too runs locally after), a convolution or an unfold, or their backward, along the
+    sequence."""
     if target is torch.ops.aten.convolution.default:
         return functools.partial(_convolution, nd, ctx=ctx), args, kwargs
     if target is torch.ops.aten.convolution_backward.default:
         return functools.partial(_convolution_backward, nd, ctx=ctx), args, kwargs
+    if target is torch.ops.aten.unfold.default:
+        return functools.partial(_unfold, nd, ctx=ctx), args, kwargs
+    if target is torch.ops.aten.unfold_backward.default:
+        return functools.partial(_unfold_backward, nd, ctx=ctx), args, kwargs
     if target in (torch.ops.aten.cat.default, torch.ops.aten.roll.default):
         pieces = args[0] if target is torch.ops.aten.cat.default else [args[0]] * 2
         dim, ws, rest = concat_windows(nd)

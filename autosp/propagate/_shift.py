@@ -24,7 +24,7 @@ from ._placement import P, R, chunks, offsets, shard, shard_specs
 from ._rules import cat_rule
 from ._strategy import Sets, Strategy, dedup, rule
 
-__all__ = ["Window", "window_of", "halo_pieces", "halo_bytes", "conv_windows", "concat_windows"]
+__all__ = ["Window", "window_of", "halo_pieces", "halo_bytes", "conv_windows", "concat_windows", "unfold_windows"]
 
 aten = torch.ops.aten
 
@@ -228,6 +228,51 @@ def _convolution_bwd(node, A, n):
         )
         res.append(Strategy(outs(shard(2), P), (shard(2), shard(2), R), kernel=Kernel.HALO, comm=comm))
     return res
+
+
+# ---------------------------------------------------------------------------------------------
+# sliding windows along the sequence: ``x.unfold(dim, size, 1)`` (a local attention's or a
+# convolution's windows, written by hand)
+
+
+def unfold_windows(node: fx.Node) -> tuple[int, int, Window, Window] | None:
+    """(dim, window size, input rows each rank's windows read, window-gradient rows each rank's
+    input rows' gradient reads) of an unfold with step 1 or its backward; None for other steps."""
+    if node.target is aten.unfold.default:
+        x = out_vals(node.args[0])[0]
+        dim, size, step = node.args[1:4]
+        dim %= max(x.ndim, 1)
+        length = x.shape[dim]
+    else:
+        sizes, dim, size, step = node.args[1:5]
+        dim %= max(len(sizes), 1)
+        length = sizes[dim]
+    if step != 1 or size > length:
+        return None
+    m = length - size + 1
+    return dim, size, Window(dim, length, m, 0, extra=size - 1), Window(dim, m, length, 1 - size, extra=size - 1)
+
+
+@rule(aten.unfold.default, aten.unfold_backward.default)
+def _unfold(node, A, n):
+    """Replicated or partial (linear); sharded along any other dim (the windows' own dim is new
+    and last); or along the unfolded dim with step 1, each rank reading the ``size - 1`` rows
+    past its own (forward) or before them (backward) from its neighbours."""
+    fwd = node.target is aten.unfold.default
+    src = out_vals(node.args[0])[0]
+    uw = unfold_windows(node)
+    dim = (node.args[1] if fwd else node.args[2]) % max(src.ndim - (0 if fwd else 1), 1)
+    res = [Strategy((R,), (R,))]
+    if P in A[0]:
+        res.append(Strategy((P,), (P,)))
+    for d, sf in shard_specs(A[0]):
+        if d != dim and d < src.ndim - (0 if fwd else 1):
+            res.append(Strategy((shard(d, sf),), (shard(d, sf),)))
+        elif d == dim and sf == 1 and uw is not None and uw[2].size_out > 0 and _float(src):
+            w = uw[2] if fwd else uw[3]
+            comm = halo_bytes(w, n, _row_bytes(src, d))
+            res.append(Strategy((shard(d),), (shard(d),), kernel=Kernel.HALO, comm=comm))
+    return dedup(res)
 
 
 # ---------------------------------------------------------------------------------------------

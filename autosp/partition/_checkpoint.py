@@ -408,14 +408,19 @@ def _drop_dead_collectives(gm: fx.GraphModule) -> None:
     """Remove collectives whose result nothing reads. The partitioner can carry the loss's
     all-reduce into the backward with the recomputed loss ops (a wait is never dead code to fx),
     and on some ranks only: its choice depends on the local sizes, and ranks that issue different
-    collectives hang."""
-    dead = [nd for nd in gm.graph.nodes if nd.target is torch.ops._c10d_functional.wait_tensor.default and not nd.users]
-    if not dead:
-        return
-    for nd in dead:
-        gm.graph.erase_node(nd)
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
+    collectives hang. Until none is left: dropping the loss's all-reduce leaves the recomputed
+    ops before it dead, and with them a collective they read (a maximum's all-reduce, and the
+    matmul before it)."""
+    changed = False
+    while dead := [
+        nd for nd in gm.graph.nodes if nd.target is torch.ops._c10d_functional.wait_tensor.default and not nd.users
+    ]:
+        for nd in dead:
+            gm.graph.erase_node(nd)
+        gm.graph.eliminate_dead_code()
+        changed = True
+    if changed:
+        gm.recompile()
 
 
 @dataclass(frozen=True)

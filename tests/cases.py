@@ -295,16 +295,31 @@ def _grad_errors(model, ref) -> dict[str, float]:
     return {n: ((a - b).abs().max() / max(b.abs().max().item(), floor)).item() for n, a, b in pairs}
 
 
+_MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def _matmul_flops(fn) -> float:
+    """The matmul FLOPs of ``fn().backward()`` on this rank (torch.profiler's count)."""
+    with torch.profiler.profile(with_flops=True) as prof:
+        fn().backward()
+    return float(sum(e.flops for e in prof.events() if e.flops and e.name in _MATMULS))
+
+
 def _against_one_device(model, ref, loss_fn, *inputs):
     """``loss_fn(model, *inputs)`` as one sharded step and ``loss_fn(ref, *inputs)`` on one
-    device, a backward each: (the loss pair, each gradient's error, the sharded step)."""
+    device, a backward each: (the loss pair, each gradient's error, the sharded step, and the
+    matmul FLOPs of one more step of each: (this rank's, one device's)). Nothing is recomputed
+    (``checkpoint="none"``), so the FLOPs are the split's alone: these cases test rules, and
+    checkpointing has its own tests."""
     with autosp.mesh():
-        step = autosp.shard(lambda *a: loss_fn(model, *a), compiler="aot_eager")
+        step = autosp.shard(lambda *a: loss_fn(model, *a), compiler="aot_eager", checkpoint="none")
         loss = step(*inputs)
         loss.backward()
-    loss_ref = loss_fn(ref, *inputs)
-    loss_ref.backward()
-    return (loss.item(), loss_ref.item()), _grad_errors(model, ref), step
+        loss_ref = loss_fn(ref, *inputs)
+        loss_ref.backward()
+        err = _grad_errors(model, ref)
+        flops = (_matmul_flops(lambda: step(*inputs)), _matmul_flops(lambda: loss_fn(ref, *inputs)))
+    return (loss.item(), loss_ref.item()), err, step, flops
 
 
 # Reductions users write over activations, along the sequence and over every dim: the ones whose
@@ -340,10 +355,11 @@ def reduction_exactness(kind: str, b: int, L: int) -> dict:
     ref = copy.deepcopy(model)
     vocab = 4 if kind.endswith("_ties") else 64  # the largest element recurs, on every rank
     ids = torch.randint(0, vocab, (b, L), generator=torch.Generator().manual_seed(1))
-    loss, err, step = _against_one_device(model, ref, lambda m, ids: REDUCTIONS[kind](m(ids)), ids)
+    loss, err, step, flops = _against_one_device(model, ref, lambda m, ids: REDUCTIONS[kind](m(ids)), ids)
     return {
         "loss": loss,
         "grad_err": err,
+        "flops": flops,
         "collectives": sorted({(c.kind, c.src) for c in step.plan.collectives}),
         "scatters": sorted({p for name, ps in step.plan.placements.items() if name.startswith("scatter") for p in ps}),
     }
@@ -417,10 +433,11 @@ def shift_exactness(kind: str, b: int, L: int) -> dict:
         h, targets = SHIFTS[kind](m[1](m[0](ids)), ids, m)
         return torch.nn.functional.cross_entropy(m[2](h).flatten(0, 1), targets.flatten())
 
-    loss, err, step = _against_one_device(model, ref, fn, ids)
+    loss, err, step, flops = _against_one_device(model, ref, fn, ids)
     return {
         "loss": loss,
         "grad_err": err,
+        "flops": flops,
         "collectives": sorted({(c.kind, c.src) for c in step.plan.collectives}),
         "halo_bytes": [c.bytes_per_rank for c in step.plan.collectives if c.kind == "halo"],
     }
@@ -500,10 +517,11 @@ def op_exactness(kind: str, b: int, L: int) -> dict:
     def fn(m, ids):
         return torch.nn.functional.cross_entropy(m[2](OPS[kind](m[1](m[0](ids)))).flatten(0, 1), ids.flatten())
 
-    loss, err, step = _against_one_device(model, ref, fn, ids)
+    loss, err, step, flops = _against_one_device(model, ref, fn, ids)
     return {
         "loss": loss,
         "grad_err": err,
+        "flops": flops,
         "kinds": sorted({c.kind for c in step.plan.collectives}),
     }
 
@@ -514,10 +532,11 @@ def complex_rope_exactness(b: int, L: int) -> dict:
     model = ComplexRopeAttention()
     ref = copy.deepcopy(model)
     ids = torch.randint(0, 64, (b, L), generator=torch.Generator().manual_seed(1))
-    loss, err, step = _against_one_device(model, ref, lambda m, ids: m(ids), ids)
+    loss, err, step, flops = _against_one_device(model, ref, lambda m, ids: m(ids), ids)
     return {
         "loss": loss,
         "grad_err": err,
+        "flops": flops,
         "kinds": sorted({c.kind for c in step.plan.collectives}),
         "all_to_alls": step.plan.count("all_to_all"),
     }
@@ -562,10 +581,11 @@ def drawn_reduction_exactness(op: str, dims, keepdim: bool, L: int) -> dict:
     model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 16, bias=False))
     ref = copy.deepcopy(model)
     ids = torch.randint(0, 64, (2, L), generator=torch.Generator().manual_seed(1))
-    loss, err, step = _against_one_device(model, ref, lambda m, ids: loss_of(m(ids)), ids)
+    loss, err, step, flops = _against_one_device(model, ref, lambda m, ids: loss_of(m(ids)), ids)
     return {
         "loss": loss,
         "grad_err": err,
+        "flops": flops,
         "gathered": any(c.kind == "all_gather" for c in step.plan.collectives),
     }
 

@@ -8,13 +8,7 @@ reads its input whole, gathered, and stays exact."""
 
 import cases
 import pytest
-
-
-def _exact(r, tol=1e-5):
-    loss, ref = r["loss"]
-    assert abs(loss - ref) <= tol * abs(ref), r["loss"]
-    worst = max(r["grad_err"].items(), key=lambda kv: kv[1])
-    assert worst[1] <= tol, worst
+from _checks import assert_exact, assert_matmuls_split
 
 
 @pytest.mark.parametrize(
@@ -35,10 +29,12 @@ def test_non_additive_reductions_match_one_device_and_gather_nothing(pools, kind
     """Exact (ties at the maximum included, within and across ranks: the gradient is shared among
     them as one device shares it), and split: the partial result is all-reduced as its own kind, and no
     activation is all-gathered."""
-    for r in pools(2).run(cases.reduction_exactness, kind, 2, 64):
-        _exact(r)
+    results = pools(2).run(cases.reduction_exactness, kind, 2, 64)
+    for r in results:
+        assert_exact(r)
         assert ("all_reduce", reduced) in r["collectives"], r["collectives"]
         assert not any(k == "all_gather" for k, _ in r["collectives"]), r["collectives"]
+    assert_matmuls_split(results, 64)
 
 
 @pytest.mark.parametrize(
@@ -52,12 +48,14 @@ def test_reductions_along_the_sequence_merge_the_ranks_results(pools, kind):
     device, the gradient scattered into the winner's row on its rank. Exact, and the activation
     is never gathered. On 4 ranks with 3 tokens one rank holds none and offers no candidate."""
     for world, L in ((2, 64), (4, 45), (4, 3)):
-        for r in pools(world).run(cases.reduction_exactness, kind, 2, L):
-            _exact(r)
+        results = pools(world).run(cases.reduction_exactness, kind, 2, L)
+        for r in results:
+            assert_exact(r)
             assert ("merge", "S(1)") in r["collectives"], r["collectives"]
             assert not any(k == "all_gather" for k, _ in r["collectives"]), r["collectives"]
             # the selection's gradient is scattered on the rank holding the row, not whole on each
             assert r["scatters"] == (["S(1)"] if "_dim_" in kind else []), r["scatters"]
+        assert_matmuls_split(results, L)
 
 
 @pytest.mark.parametrize("kind", ["prod", "prod_seq"])
@@ -65,8 +63,10 @@ def test_reductions_without_a_partial_form_stay_exact(pools, kind):
     """A product of every element (DTensor's strategy offers a partial product, which autosp does
     not reduce: refused at the rule) or along the sequence runs on its input whole: exact, with an
     all-gather before the op, and no partial product ever reduced by summing."""
-    for r in pools(2).run(cases.reduction_exactness, kind, 2, 64):
-        _exact(r)
+    results = pools(2).run(cases.reduction_exactness, kind, 2, 64)
+    assert_matmuls_split(results, 64)  # the layers before the product still split
+    for r in results:
+        assert_exact(r)
         assert all(src in ("P(sum)", "S(1)", "_S(0, 2)") for _, src in r["collectives"]), r["collectives"]
 
 
@@ -74,4 +74,4 @@ def test_max_over_an_uneven_split_on_4_ranks(pools):
     """45 tokens over 4 ranks (12, 11, 11, 11): the maximum and a p-norm stay exact."""
     for kind in ("max", "vector_norm_seq"):
         for r in pools(4).run(cases.reduction_exactness, kind, 1, 45):
-            _exact(r)
+            assert_exact(r)

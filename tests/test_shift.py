@@ -14,18 +14,11 @@ import cases
 import pytest
 import torch
 import torch.nn.functional as F
+from _checks import assert_exact, assert_matmuls_split
 
 import autosp
 from autosp.propagate import Window, halo_pieces
 from examples.models import Llama, LlamaConfig
-
-
-def _exact(r, tol=1e-5):
-    loss, ref = r["loss"]
-    assert abs(loss - ref) <= tol * abs(ref), r["loss"]
-    worst = max(r["grad_err"].items(), key=lambda kv: kv[1])
-    assert worst[1] <= tol, worst
-
 
 # every shift on an uneven split over 4 ranks; the commonest also on 2, and at 64 over 4, 7 over 2
 # and 3 over 4 (a rank with no rows)
@@ -43,8 +36,10 @@ def test_shifts_match_one_device_and_gather_nothing(pools, kind, world, L):
     """Exact on even and uneven splits (45 tokens over 4 ranks: 12, 11, 11, 11; 7 over 2; 3 over
     4: 1, 1, 1, 0), with no all-gather: the only collectives are the halo exchanges and the loss and gradient
     all-reduces."""
-    for r in pools(world).run(cases.shift_exactness, kind, 2, L):
-        _exact(r)
+    results = pools(world).run(cases.shift_exactness, kind, 2, L)
+    assert_matmuls_split(results, L)
+    for r in results:
+        assert_exact(r)
         assert {k for k, _ in r["collectives"]} <= {"halo", "all_reduce"}, r["collectives"]
         # per exchange a few rows of the (2, L, 16) fp32 hidden state a rank: the shift or the
         # convolution's reach (3 rows), and where the split is uneven up to a row per rank more

@@ -343,6 +343,11 @@ REDUCTIONS = {
     "max_dim_seq": lambda h: (h.max(dim=1).values * (1 + h.argmin(dim=1))).sum(),
     "min_dim_seq_keepdim_ties": lambda h: (lambda m: (m.values * (1 + m.indices)).sum())(h.min(1, keepdim=True)),
     "max_dim_ties": lambda h: (h.max(dim=1).values * (1 + h.argmax(dim=1))).sum(),
+    # running sums along the sequence (naive causal linear attention, cumulative log decays); the
+    # reverse one written as users write it, by flips
+    "cumsum_seq": lambda h: (h.cumsum(1) * h).mean(),
+    "logcumsumexp_seq": lambda h: h.logcumsumexp(1).mean(),
+    "reverse_cumsum_seq": lambda h: (h.flip(1).cumsum(1).flip(1) * h.tanh()).mean(),
 }
 
 
@@ -385,7 +390,7 @@ def _conv(conv, h, L=None):
 # Shifts along the sequence as users write them, each (hidden, input_ids, modules) -> (logits-to-be,
 # targets): the logits-shift loss, a token shift (F.pad, ZeroPad2d, cat of shifted pieces, a masked
 # roll), a causal convolution by slices, a slice with both ends, a pad with a value, a roll that
-# wraps around, a flip along the features, and convolution modules along the sequence:
+# wraps around, a flip along the features and one along the sequence too, and convolution modules along the sequence:
 # Mamba's causal depthwise one (padded by k - 1 each side, cut to the length) and a dense, dilated,
 # "same"-padded one; and sliding windows by unfold (a hand-written convolution's)
 SHIFTS = {
@@ -405,6 +410,7 @@ SHIFTS = {
     ),
     "roll_wrap": lambda h, ids, m: (h + torch.roll(h, -2, dims=1), ids),
     "flip_features": lambda h, ids, m: (h + 0.5 * h.flip(-1), ids),
+    "flip_sequence": lambda h, ids, m: (h + 0.5 * h.flip(1, 2), ids),
     "conv1d_causal": lambda h, ids, m: (torch.nn.functional.silu(_conv(m[3], h, h.shape[1])), ids),
     "conv1d_same_dilated": lambda h, ids, m: (_conv(m[4], h), ids),
     "unfold_window": lambda h, ids, m: ((h.unfold(1, 4, 1) * torch.linspace(0.2, 1.0, 4)).sum(-1), ids[:, 3:]),

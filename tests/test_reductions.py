@@ -38,15 +38,28 @@ def test_non_additive_reductions_match_one_device_and_gather_nothing(pools, kind
 
 
 @pytest.mark.parametrize(
-    "kind", ["logsumexp_seq", "std_seq", "var_seq_keepdim", "max_dim_seq", "min_dim_seq_keepdim_ties", "max_dim_ties"]
+    "kind",
+    [
+        "logsumexp_seq",
+        "std_seq",
+        "var_seq_keepdim",
+        "max_dim_seq",
+        "min_dim_seq_keepdim_ties",
+        "max_dim_ties",
+        "cumsum_seq",
+        "logcumsumexp_seq",
+        "reverse_cumsum_seq",
+    ],
 )
 def test_reductions_along_the_sequence_merge_the_ranks_results(pools, kind):
     """Each rank's result for its own rows, all-gathered (reduced-sized) and merged: log-sum-exps
     by a log-sum-exp, variances and standard deviations by Chan's formula from each rank's
     (count, mean, sum of squared deviations), ``max(dim)`` / ``argmin(dim)`` from each rank's
     (value, global index), the first index winning ties within and across ranks as on one
-    device, the gradient scattered into the winner's row on its rank. Exact, and the activation
-    is never gathered. On 4 ranks with 3 tokens one rank holds none and offers no candidate."""
+    device, the gradient scattered into the winner's row on its rank; running sums and
+    log-sum-exps from the totals of the ranks before (their backward flips the gradient along
+    the sequence: an exchange with the mirrored ranks). Exact, and the activation is never
+    gathered. On 4 ranks with 3 tokens one rank holds none and offers no candidate."""
     for world, L in ((2, 64), (4, 45), (4, 3)):
         results = pools(world).run(cases.reduction_exactness, kind, 2, L)
         for r in results:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from _checks import assert_exact, assert_matmuls_split
 
 import autosp
-from autosp.propagate import Window, halo_pieces
+from autosp.propagate import Window, flip_pieces, halo_pieces
 from examples.models import Llama, LlamaConfig
 
 # every shift on an uneven split over 4 ranks; the commonest also on 2, and at 64 over 4, 7 over 2
@@ -43,11 +43,20 @@ def test_shifts_match_one_device_and_gather_nothing(pools, kind, world, L):
         assert {k for k, _ in r["collectives"]} <= {"halo", "all_reduce"}, r["collectives"]
         # per exchange a few rows of the (2, L, 16) fp32 hidden state a rank: the shift or the
         # convolution's reach (3 rows), and where the split is uneven up to a row per rank more
-        # (a convolution's backward exchanges twice), never the tensor
+        # (a convolution's backward exchanges twice), never the tensor; a flip along the
+        # sequence moves the rank's own rows (to the mirrored rank), as an all-to-all would
         row = 2 * 16 * 4
-        assert max(r["halo_bytes"], default=0.0) <= 2 * (3 + world) * row, r
+        rows = math.ceil(L / world) if kind == "flip_sequence" else 2 * (3 + world)
+        assert max(r["halo_bytes"], default=0.0) <= rows * row, r
         if kind == "logits_shift" and L % world == 0:
             assert not r["halo_bytes"], r  # every rank's logits rows are its own (the last holds one fewer)
+
+
+def test_flip_schedule_sends_each_rank_its_mirrored_rows():
+    """A flip of 5 rows over 2 ranks (3, 2): rank 0's output rows 0-2 are input rows 4-2, so it
+    receives rows 3-4 from rank 1 and keeps row 2; rank 1's are rows 1-0, all from rank 0."""
+    assert flip_pieces(5, 2) == [(0, 0, 2, 1), (1, 0, 3, 2), (0, 1, 0, 2)]
+    assert flip_pieces(4, 4) == [(3, 0, 3, 1), (2, 1, 2, 1), (1, 2, 1, 1), (0, 3, 0, 1)]
 
 
 def test_halo_schedule_moves_boundary_rows_only():

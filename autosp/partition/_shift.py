@@ -12,18 +12,26 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 from .._context import Kernel
-from ..propagate._placement import chunks, offsets
-from ..propagate._shift import Window, concat_windows, conv_windows, halo_pieces, unfold_windows, window_of
+from .._graph import out_vals
+from ..propagate._placement import chunks, offsets, shard_spec
+from ..propagate._shift import (
+    Window,
+    concat_windows,
+    conv_windows,
+    flip_pieces,
+    halo_pieces,
+    unfold_windows,
+    window_of,
+)
 
 __all__ = ["shifted", "window_rows", "HALO_KERNELS"]
 
 
-def _rows(x: torch.Tensor, w: Window, n: int, rank: int, group) -> list[torch.Tensor]:
-    """The input rows this rank's output rows of window ``w`` read, in order, from ``x`` (its rows
-    of the input) and from the other ranks (one all-to-all, when any rank needs another's rows)."""
-    d = w.dim
-    pieces = halo_pieces(w, n)
-    start = offsets(chunks(w.size_in, n))[rank]
+def _rows(x: torch.Tensor, d: int, size_in: int, pieces, n: int, rank: int, group) -> list[torch.Tensor]:
+    """The input rows this rank's output rows read (``pieces``, of an input of ``size_in`` rows
+    along ``d``), in order, from ``x`` (its rows of the input) and from the other ranks (one
+    all-to-all, when any rank needs another's rows)."""
+    start = offsets(chunks(size_in, n))[rank]
     shape = list(x.shape)
 
     def rows_of(t, k):
@@ -62,7 +70,7 @@ def _real(fn):
 @_real
 def window_rows(x: torch.Tensor, w: Window, n: int, rank: int, group) -> torch.Tensor:
     """The input rows this rank's output rows of ``w`` read, without the fill (a piece of a cat)."""
-    parts = _rows(x, w, n, rank, group) or [x.narrow(w.dim, 0, 0)]
+    parts = _rows(x, w.dim, w.size_in, halo_pieces(w, n), n, rank, group) or [x.narrow(w.dim, 0, 0)]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=w.dim)
 
 
@@ -70,7 +78,7 @@ def window_rows(x: torch.Tensor, w: Window, n: int, rank: int, group) -> torch.T
 def shifted(x: torch.Tensor, w: Window, n: int, rank: int, group) -> torch.Tensor:
     """This rank's output rows of window ``w``, from ``x``, its rows of the input."""
     d, shape = w.dim, list(x.shape)
-    parts = _rows(x, w, n, rank, group)
+    parts = _rows(x, d, w.size_in, halo_pieces(w, n), n, rank, group)
     size = chunks(w.size_out, n)[rank]
     size += w.extra if size else 0
     first = offsets(chunks(w.size_out, n))[rank] + w.offset  # the input row of this rank's first output row
@@ -88,6 +96,21 @@ def shifted(x: torch.Tensor, w: Window, n: int, rank: int, group) -> torch.Tenso
 
 def _identity(x):
     return x
+
+
+@_real
+def _flipped(x: torch.Tensor, d: int, size: int, n: int, rank: int, group) -> torch.Tensor:
+    """This rank's rows of ``x`` flipped along ``d`` (of ``size`` rows): the mirrored rows, reversed."""
+    parts = _rows(x, d, size, flip_pieces(size, n), n, rank, group) or [x.narrow(d, 0, 0)]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=d)).flip(d)
+
+
+def _flip(nd, s, x, dims, *, ctx):
+    """A flip along the sharded dim (the strategy's), then along its other dims locally."""
+    d = shard_spec(s.ins[0])[0]
+    y = _flipped(x, d, out_vals(nd)[0].shape[d], ctx.n, ctx.rank, ctx.group)
+    rest = [e for e in dims if e % x.ndim != d]
+    return y.flip(rest) if rest else y
 
 
 def _at_least(t: torch.Tensor, rows: int, dim: int = 2) -> torch.Tensor:
@@ -157,13 +180,15 @@ def _convolution_backward(
 
 def _halo_call(nd, s, target, args, kwargs, ctx):
     """(call, args, kwargs) of an op run as a halo exchange: a slice, slice gradient or pad (the
-    window is the op's whole result), a cat or roll (its pieces' rows, in order; a roll along
-    other dims too runs locally after), a convolution or an unfold, or their backward, along the
-    sequence."""
+    window is the op's whole result), a flip (the mirrored rows), a cat or roll (its pieces'
+    rows, in order; a roll along other dims too runs locally after), a convolution or an
+    unfold, or their backward, along the sequence."""
     if target is torch.ops.aten.convolution.default:
         return functools.partial(_convolution, nd, ctx=ctx), args, kwargs
     if target is torch.ops.aten.convolution_backward.default:
         return functools.partial(_convolution_backward, nd, ctx=ctx), args, kwargs
+    if target is torch.ops.aten.flip.default:
+        return functools.partial(_flip, nd, s, ctx=ctx), args, kwargs
     if target is torch.ops.aten.unfold.default:
         return functools.partial(_unfold, nd, ctx=ctx), args, kwargs
     if target is torch.ops.aten.unfold_backward.default:

@@ -6,7 +6,7 @@ from ._attention import attention_notes, hybrid_bytes, ring_bytes
 from ._placement import local_shape, parse_placement, placement_str, redistribute_kind, transfer_bytes
 from ._propagate import Candidates, propagate
 from ._rules import strategies_for
-from ._shift import Window, halo_pieces, window_of
+from ._shift import Window, flip_pieces, halo_pieces, window_of
 from ._solver import Choice, solve
 from ._strategy import RULES, Strategy, rule
 
@@ -25,6 +25,7 @@ __all__ = [
     "hybrid_bytes",
     "Window",
     "halo_pieces",
+    "flip_pieces",
     "window_of",
     "local_shape",
     "parse_placement",

@@ -366,6 +366,25 @@ def _merged_reduction(node, A, n):
     return _dedup(res)
 
 
+@rule(aten.cumsum.default, aten.logcumsumexp.default)
+def _scan(node, A, n):
+    """A running sum (log-sum-exp) along a dim: sharded along any other dim; or along it, each
+    rank scanning its own rows and adding what the ranks before it total (their last rows,
+    gathered: reduced-sized; ``partition._merge``). Floating-point data only: integer and bool
+    scans (positions from a mask) are bookkeeping, replicated cheaply."""
+    x, out = _val(node.args[0]), _val(node)
+    dim = node.args[1] % max(x.ndim, 1)
+    res = _dim_map_rule(node, A, n, list(range(x.ndim)), linear=node.target is aten.cumsum.default, blocked=[dim])
+    if out.is_floating_point():
+        sent = nbytes(out) / max(out.shape[dim], 1) * (n - 1)  # a row from every other rank
+        res += [
+            Strategy((shard(d),), (shard(d),), kernel=Kernel.MERGE, comm=sent)
+            for d, sf in _shards(A[0])
+            if d == dim and sf == 1
+        ]
+    return _dedup(res)
+
+
 @rule(aten.sum.dim_IntList, aten.sum.default)
 def _sum(node, A, n):
     return _reduction(node, A, n, linear=True)

@@ -24,7 +24,16 @@ from ._placement import P, R, chunks, offsets, shard, shard_specs
 from ._rules import cat_rule
 from ._strategy import Sets, Strategy, dedup, rule
 
-__all__ = ["Window", "window_of", "halo_pieces", "halo_bytes", "conv_windows", "concat_windows", "unfold_windows"]
+__all__ = [
+    "Window",
+    "window_of",
+    "halo_pieces",
+    "flip_pieces",
+    "halo_bytes",
+    "conv_windows",
+    "concat_windows",
+    "unfold_windows",
+]
 
 aten = torch.ops.aten
 
@@ -89,18 +98,19 @@ def window_of(node: fx.Node) -> Window | None:
     return None
 
 
-def halo_pieces(w: Window, n: int) -> list[tuple[int, int, int, int]]:
+def _pieces(size_in: int, size_out: int, n: int, reads) -> list[tuple[int, int, int, int]]:
     """(source rank, destination rank, first input row, rows) of every piece of the input a rank
     needs for its output rows, in destination then source order (increasing rows); a rank's own
-    rows are pieces too (source == destination)."""
-    ci, co = chunks(w.size_in, n), chunks(w.size_out, n)
+    rows are pieces too (source == destination). ``reads(first, rows)``: the input rows
+    [lo, hi) a rank's output rows read."""
+    ci, co = chunks(size_in, n), chunks(size_out, n)
     ia, oa = offsets(ci), offsets(co)
     pieces = []
-    for q in range(n):  # destination: output rows oa[q] .. oa[q] + co[q]
+    for q in range(n):
         if not co[q]:
             continue
-        lo = max(oa[q] + w.offset, 0)
-        hi = min(oa[q] + co[q] + w.offset + w.extra, w.size_in)
+        lo, hi = reads(oa[q], co[q])
+        lo, hi = max(lo, 0), min(hi, size_in)
         for r in range(n):  # source: input rows ia[r] .. ia[r] + ci[r]
             a, b = max(lo, ia[r]), min(hi, ia[r] + ci[r])
             if b > a:
@@ -108,18 +118,35 @@ def halo_pieces(w: Window, n: int) -> list[tuple[int, int, int, int]]:
     return pieces
 
 
+def halo_pieces(w: Window, n: int) -> list[tuple[int, int, int, int]]:
+    """The pieces (``_pieces``) of window ``w``: output rows a .. b read a + offset .. b + offset
+    + extra."""
+    return _pieces(w.size_in, w.size_out, n, lambda a, k: (a + w.offset, a + k + w.offset + w.extra))
+
+
+def flip_pieces(size: int, n: int) -> list[tuple[int, int, int, int]]:
+    """The pieces (``_pieces``) of a flip along a dim of ``size``: output row j is input row
+    size - 1 - j, so a rank's rows come, reversed, from the mirrored ranks."""
+    return _pieces(size, size, n, lambda a, k: (size - a - k, size - a))
+
+
 def _row_bytes(v, dim: int) -> float:
     """Bytes of one row of ``v`` along ``dim``."""
     return v.element_size() * v.numel() / max(v.shape[dim], 1)
 
 
-def halo_bytes(w: Window, n: int, row_bytes: float) -> float:
+def sent_bytes(pieces, n: int, row_bytes: float) -> float:
     """Bytes the busiest rank sends to the others (rows of ``row_bytes``)."""
     sent = [0] * n
-    for r, q, _, rows in halo_pieces(w, n):
+    for r, q, _, rows in pieces:
         if r != q:
             sent[r] += rows
     return max(sent) * row_bytes
+
+
+def halo_bytes(w: Window, n: int, row_bytes: float) -> float:
+    """Bytes the busiest rank sends to the others for window ``w``."""
+    return sent_bytes(halo_pieces(w, n), n, row_bytes)
 
 
 def _window_rule(node: fx.Node, A: Sets, n: int, *, linear: bool) -> list[Strategy]:
@@ -353,11 +380,17 @@ def _roll(node, A, n):
 @rule(aten.flip.default)
 def _flip(node, A, n):
     """Replicated, or sharded along a dim it does not flip (a reverse cumulative sum within
-    chunks). Flipped along the sharded dim, every row moves: it reads its input whole."""
-    nd = out_vals(node)[0].ndim
-    dims = {d % nd for d in node.args[1]}
+    chunks); or along one it flips, each rank receiving its rows from the mirrored ranks (one
+    all-to-all of about the rank's rows: a scan's backward flips along the sequence twice)."""
+    x = out_vals(node)[0]
+    dims = {d % x.ndim for d in node.args[1]}
     res = [Strategy((R,), (R,))]
     if P in A[0]:
         res.append(Strategy((P,), (P,)))
-    res += [Strategy((shard(d, sf),), (shard(d, sf),)) for d, sf in shard_specs(A[0]) if d not in dims]
+    for d, sf in shard_specs(A[0]):
+        if d not in dims:
+            res.append(Strategy((shard(d, sf),), (shard(d, sf),)))
+        elif sf == 1 and _float(x):
+            comm = sent_bytes(flip_pieces(x.shape[d], n), n, _row_bytes(x, d))
+            res.append(Strategy((shard(d),), (shard(d),), kernel=Kernel.HALO, comm=comm))
     return dedup(res)

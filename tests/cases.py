@@ -298,10 +298,13 @@ def _grad_errors(model, ref) -> dict[str, float]:
 _MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 
 
-def _matmul_flops(fn) -> float:
-    """The matmul FLOPs of ``fn().backward()`` on this rank (torch.profiler's count)."""
+def _matmul_flops(fn, backward: bool = True) -> float:
+    """The matmul FLOPs of ``fn().backward()`` (``fn()`` alone without ``backward``) on this rank
+    (torch.profiler's count)."""
     with torch.profiler.profile(with_flops=True) as prof:
-        fn().backward()
+        out = fn()
+        if backward:
+            out.backward()
     return float(sum(e.flops for e in prof.events() if e.flops and e.name in _MATMULS))
 
 
@@ -599,8 +602,9 @@ def drawn_reduction_exactness(op: str, dims, keepdim: bool, L: int) -> dict:
 def _hf_compare(model, ref, ids: torch.Tensor, labels: torch.Tensor, attention: str = "auto", **kwargs) -> dict:
     """Train one step of an HF causal LM through autosp and the same on one device; the loss pair,
     each gradient's relative error (``_grad_errors``: an attention key bias's gradient is zero in
-    exact arithmetic, softmax ignoring a shift of every score in a row), and the plan's collective
-    kinds."""
+    exact arithmetic, softmax ignoring a shift of every score in a row), the plan's collective
+    kinds, and the matmul FLOPs of one more forward of each, (this rank's, one device's): the
+    forward only, as the backward's recompute (``checkpoint="auto"``) is no split's."""
 
     def call(m, input_ids, labels, **kw):
         return m(input_ids=input_ids, labels=labels, **kw).loss
@@ -614,9 +618,14 @@ def _hf_compare(model, ref, ids: torch.Tensor, labels: torch.Tensor, attention: 
         loss = step(ids, labels, **kwargs)
         loss.backward()
         kinds = sorted({c.kind for c in step.plan.collectives})
-    loss_ref = call(ref, ids, labels, **kwargs)
-    loss_ref.backward()
-    return {"loss": (loss.item(), loss_ref.item()), "grad_err": _grad_errors(model, ref), "kinds": kinds}
+        loss_ref = call(ref, ids, labels, **kwargs)
+        loss_ref.backward()
+        err = _grad_errors(model, ref)
+        flops = (
+            _matmul_flops(lambda: step(ids, labels, **kwargs), backward=False),
+            _matmul_flops(lambda: call(ref, ids, labels, **kwargs), backward=False),
+        )
+    return {"loss": (loss.item(), loss_ref.item()), "grad_err": err, "kinds": kinds, "flops": flops}
 
 
 def hf_exactness(arch: str, attn: str, b: int, L: int, generic: bool = False) -> dict:

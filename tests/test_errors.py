@@ -91,6 +91,26 @@ def test_mesh_size_mismatch_is_an_error(fake_world):
         pass
 
 
+def test_a_mesh_may_be_entered_again_and_decorate(fake_world):
+    """``autosp.mesh`` is re-entrant: entered again, nested, or as a decorator (a generator's
+    context manager raised ``'_GeneratorContextManager' object has no attribute 'args'`` on the
+    second ``with``)."""
+    fake_world(2)
+    m = autosp.mesh(sp=2)
+    for _ in range(2):
+        with m as outer:
+            with m as inner:
+                assert autosp.current_mesh() is inner and inner.sp_size == 2
+            assert autosp.current_mesh() is outer
+    assert autosp.current_mesh() is None
+
+    @autosp.mesh(sp=2)
+    def inside():
+        return autosp.current_mesh().sp_size
+
+    assert inside() == inside() == 2 and autosp.current_mesh() is None
+
+
 def test_ranks_with_different_shapes_fail_with_a_message_not_a_hang(pools):
     """A rank that sees another sequence length would run other collectives: every rank gets
     the plan-mismatch error at compile time instead of a gloo hang."""

@@ -86,7 +86,6 @@ def _init_process_group(backend: str | None, timeout_s: float) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
-@contextlib.contextmanager
 def mesh(
     sp: int | None = None,
     dp: int = 1,
@@ -94,7 +93,7 @@ def mesh(
     ulysses: int | None = None,
     backend: str | None = None,
     timeout_s: float = 300.0,
-):
+) -> _MeshScope:
     """Set up the process group (from torchrun's environment, or a world of one) and a
     ``DeviceMesh`` with named dims ("dp", "sp"); ``sp`` defaults to world_size // dp.
 
@@ -105,7 +104,32 @@ def mesh(
 
     ``timeout_s`` bounds every collective: a rank that never arrives fails the others with
     an error instead of a hang.
+
+    The context manager may be entered again (``m = autosp.mesh(sp=2)``, then ``with m:`` in
+    each epoch) and decorates a function (``@autosp.mesh(sp=2)``).
     """
+    return _MeshScope(sp, dp, ulysses, backend, timeout_s)
+
+
+class _MeshScope(contextlib.ContextDecorator):
+    """What ``autosp.mesh`` returns: each ``with`` sets up (or finds) the mesh and makes it the
+    current one until it exits; re-entrant, unlike a generator's context manager, which fails
+    on a second ``with`` (``'_GeneratorContextManager' object has no attribute 'args'``)."""
+
+    def __init__(self, *args):
+        self._args, self._tokens = args, []
+
+    def __enter__(self) -> Mesh:
+        m = _make_mesh(*self._args)
+        self._tokens.append(_CURRENT.set(m))
+        return m
+
+    def __exit__(self, *exc) -> bool:
+        _CURRENT.reset(self._tokens.pop())
+        return False
+
+
+def _make_mesh(sp: int | None, dp: int, ulysses: int | None, backend: str | None, timeout_s: float) -> Mesh:
     _init_process_group(backend, timeout_s)
     world = dist.get_world_size()
     if sp is None:
@@ -132,9 +156,4 @@ def mesh(
             cached = init_device_mesh(device, (dp, sp // ulysses, ulysses), mesh_dim_names=("dp", "ring", "ulysses"))
             flat = cached["ring", "ulysses"]._flatten("sp")
         _MESHES[key] = (dist.group.WORLD, cached, flat)
-    m = Mesh(cached, flat)
-    token = _CURRENT.set(m)
-    try:
-        yield m
-    finally:
-        _CURRENT.reset(token)
+    return Mesh(cached, flat)

@@ -346,6 +346,8 @@ REDUCTIONS = {
     "max_dim_seq": lambda h: (h.max(dim=1).values * (1 + h.argmin(dim=1))).sum(),
     "min_dim_seq_keepdim_ties": lambda h: (lambda m: (m.values * (1 + m.indices)).sum())(h.min(1, keepdim=True)),
     "max_dim_ties": lambda h: (h.max(dim=1).values * (1 + h.argmax(dim=1))).sum(),
+    # over every token of the batch: the flattened dim is a strided shard (each sequence's rows)
+    "max_dim_flat_tokens": lambda h: (lambda m: (m.values * (1 + m.indices)).sum())(h.flatten(0, 1).max(0)),
     # running sums along the sequence (naive causal linear attention, cumulative log decays); the
     # reverse one written as users write it, by flips
     "cumsum_seq": lambda h: (h.cumsum(1) * h).mean(),

@@ -46,6 +46,7 @@ def test_non_additive_reductions_match_one_device_and_gather_nothing(pools, kind
         "max_dim_seq",
         "min_dim_seq_keepdim_ties",
         "max_dim_ties",
+        "max_dim_flat_tokens",
         "cumsum_seq",
         "logcumsumexp_seq",
         "reverse_cumsum_seq",
@@ -62,12 +63,13 @@ def test_reductions_along_the_sequence_merge_the_ranks_results(pools, kind):
     gathered. On 4 ranks with 3 tokens one rank holds none and offers no candidate."""
     for world, L in ((2, 64), (4, 45), (4, 3)):
         results = pools(world).run(cases.reduction_exactness, kind, 2, L)
+        seq = "_S(0, 2)" if "flat" in kind else "S(1)"  # (b, L) flattened: each sequence's rows
         for r in results:
             assert_exact(r)
-            assert ("merge", "S(1)") in r["collectives"], r["collectives"]
-            assert not any(k == "all_gather" for k, _ in r["collectives"]), r["collectives"]
+            assert ("merge", seq) in r["collectives"], r["collectives"]
+            assert not any(k in ("all_gather", "all_to_all") for k, _ in r["collectives"]), r["collectives"]
             # the selection's gradient is scattered on the rank holding the row, not whole on each
-            assert r["scatters"] == (["S(1)"] if "_dim_" in kind else []), r["scatters"]
+            assert r["scatters"] == ([seq] if "_dim_" in kind else []), r["scatters"]
         assert_matmuls_split(results, L)
 
 

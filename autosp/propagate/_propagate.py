@@ -147,6 +147,8 @@ def _visit(c: Candidates, node: fx.Node, ctx: SpContext, wanted: dict) -> None:
     # all-to-all away: how Ulysses goes back from heads to sequence after attention), or what
     # a later op wants of it
     A = [r | sq | wanted.get(key, frozenset()) for r, sq, key in zip(reach, seq_in, ins)]
+    if read is not None:  # its zeros may be laid out as those rows
+        A[0] = A[0] | c.seq[read]
     strats = strategies_for(node, A, n, ctx.mesh)
     if strats is not None and ctx.ulysses > 1:
         strats = strats + hybrid_strategies(node, A, n, ctx.ulysses)
@@ -154,6 +156,9 @@ def _visit(c: Candidates, node: fx.Node, ctx: SpContext, wanted: dict) -> None:
         c.no_rule.add(node)
         strats = [Strategy(tuple(R if v is not None else None for v in out_vals(node)), tuple(R for _ in ins))]
     wanted_out = [wanted.get((node, i), frozenset()) for i in range(len(out_vals(node)))]
+    if node.target in FILLED_FACTORIES:  # made in the layout a later op asks for (the zeros of a gradient)
+        whole = [s for s in strats if s.outs[0] == R]
+        strats = strats + [Strategy((q,), s.ins) for q in sorted(wanted_out[0], key=str) if is_shard(q) for s in whole]
     strats = [s for s in strats if _justified(s, reach) or _asked_factory(node, s, wanted_out)]
     strats = _forced(node, strats, ctx.options.attention)
     c.strategies[node] = strats

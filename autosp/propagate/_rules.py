@@ -564,14 +564,13 @@ def _scatter(node, A, n):
             if d != dim:
                 p = shard(d, sf)
                 res.append(Strategy((p,), tuple(p for _ in range(k))))
+    # a selection's gradient (max(dim)'s) goes back into the rows the selection read, laid out as
+    # they were (propagation offers that layout), though nothing sharded reaches its zeros
+    selection = k == 3 and selection_read(node) is not None
     for d, sf in _shards(A[0]):
         if d == dim:
             p = shard(d, sf)
-            res.append(Strategy((p,), (p,) + (R,) * (k - 1), kernel=Kernel.OWN_ROWS))
-    if k == 3 and selection_read(node) is not None:
-        # a selection's gradient (max(dim)'s): back into the rows the selection read, laid out as
-        # they were, though nothing sharded reaches the zeros it starts from
-        res.append(Strategy((shard(dim),), (shard(dim), R, R), kernel=Kernel.OWN_ROWS, introduces=True))
+            res.append(Strategy((p,), (p,) + (R,) * (k - 1), kernel=Kernel.OWN_ROWS, introduces=selection))
     return _dedup(res)
 
 
@@ -726,20 +725,16 @@ FACTORIES = frozenset(
 @rule(*FACTORIES)
 def _factory(node, A, n):
     """A factory's tensor argument (``x.new_zeros(size)``) gives only dtype and device: it stays
-    wherever it is, never gathered for this. A tensor of one value can also be made sharded, in
-    its local shape (``partition._localize``), rather than whole and then sliced."""
+    wherever it is, never gathered for this. (One of ``FILLED_FACTORIES`` is also made sharded
+    where a later op asks for it so: ``propagate._propagate``.)"""
     ins = tensor_inputs(node)
     if len(ins) == 1 and node.target is not aten.lift_fresh.default:
-        srcs = sorted(A[0], key=str)
-        res = [Strategy((R,), (p,)) for p in srcs]
-    else:
-        srcs, res = [R], [Strategy((R,), tuple(R for _ in ins))]
-    if node.target in FILLED_FACTORIES:
-        res += [Strategy((shard(d),), (p,) * len(ins)) for d in range(_val(node).ndim) for p in srcs]
-    return res
+        return [Strategy((R,), (p,)) for p in sorted(A[0], key=str)]
+    return [Strategy((R,), tuple(R for _ in ins))]
 
 
-# factories of one value everywhere, and where their size argument is
+# factories of one value everywhere (made in a sharded layout in its local shape,
+# ``partition._localize``, rather than whole and sliced), and where their size argument is
 FILLED_FACTORIES = {
     aten.zeros.default: 0,
     aten.ones.default: 0,

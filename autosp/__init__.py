@@ -8,7 +8,7 @@ with autosp.mesh(sp=N):
 
 from .annotations import Config, Mesh, annotate, current_mesh, explain, load_config, mesh, shard
 from .backend import Collective, Options, Plan
-from .errors import GraphBreakError, PlanError, UnsupportedOpError
+from .errors import GraphBreakError, PlanError, RecompileLimitError, UnsupportedOpError
 
 __all__ = [
     "mesh",
@@ -25,5 +25,6 @@ __all__ = [
     "PlanError",
     "UnsupportedOpError",
     "GraphBreakError",
+    "RecompileLimitError",
 ]
 __version__ = "0.1.0"

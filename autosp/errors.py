@@ -9,7 +9,15 @@ import torch.fx as fx
 
 from ._graph import out_vals
 
-__all__ = ["PlanError", "UnsupportedOpError", "GraphBreakError", "source_line", "collective_error", "peer_lost"]
+__all__ = [
+    "PlanError",
+    "UnsupportedOpError",
+    "GraphBreakError",
+    "RecompileLimitError",
+    "source_line",
+    "collective_error",
+    "peer_lost",
+]
 
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
@@ -60,6 +68,10 @@ class UnsupportedOpError(PlanError, NotImplementedError):
 
 class GraphBreakError(PlanError):
     """The step cannot be captured as one graph."""
+
+
+class RecompileLimitError(PlanError):
+    """The step recompiled for the same input shapes more often than Dynamo allows."""
 
 
 # how gloo reports a peer that went away in the middle of a collective (torch 2.13)

@@ -1249,3 +1249,38 @@ def tiled(fn, *args, min_rows: int = 8, **kwargs):
         return fn(*args, **kwargs)
     finally:
         _tiling.MIN_TILE_ROWS, _checkpoint.select = keep, select
+
+
+def lengths_past_the_recompile_limit(lengths: list[int], limit: int) -> dict:
+    """One sharded step called with each of ``lengths`` under Dynamo's recompile limit ``limit``
+    (fewer than the distinct lengths): (loss, one device's loss, worst gradient error) per call,
+    the compiled variants kept, and autosp's log lines about new shapes."""
+    import logging
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64))
+    ref = copy.deepcopy(model)
+
+    def fn(m, ids):
+        return torch.nn.functional.cross_entropy(m(ids).flatten(0, 1), ids.flatten())
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("autosp").addHandler(handler)
+    steps = []
+    try:
+        with torch._dynamo.config.patch(recompile_limit=limit), autosp.mesh():
+            step = autosp.shard(lambda ids: fn(model, ids), compiler="aot_eager")
+            for L in lengths:
+                ids = torch.randint(0, 64, (1, L), generator=torch.Generator().manual_seed(L))
+                for p in [*model.parameters(), *ref.parameters()]:
+                    p.grad = None
+                loss = step(ids)
+                loss.backward()
+                loss_ref = fn(ref, ids)
+                loss_ref.backward()
+                steps.append((loss.item(), loss_ref.item(), max(_grad_errors(model, ref).values())))
+    finally:
+        logging.getLogger("autosp").removeHandler(handler)
+    return {"steps": steps, "compiled": len(step._compiled), "log": [m for m in lines if "new input shapes" in m]}

@@ -5,8 +5,10 @@ errors. With dp > 1 each rank is called with its own dp replica's batch (DDP's c
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -16,11 +18,13 @@ from torch.distributed.tensor import Shard
 from torch.utils._pytree import tree_flatten
 
 from .._context import Options
-from ..errors import GraphBreakError, PlanError, collective_error, user_frame
+from ..errors import GraphBreakError, PlanError, RecompileLimitError, collective_error, user_frame
 from ..propagate._annotate import annotate_placement
 from ._backend import make_backend
 from ._fsdp import FsdpParams, find_fsdp
 from ._inputs import check_same_inputs
+
+log = logging.getLogger("autosp")
 
 __all__ = ["ShardedStep", "SeqSpec"]
 
@@ -109,9 +113,23 @@ def _graph_break(e: Exception) -> GraphBreakError:
     )
 
 
+def _recompile_limit(e: Exception) -> RecompileLimitError:
+    reasons = [str(r) for rs in torch._dynamo.utils.guard_failures.values() for r in rs]
+    last = f" (the last time: {reasons[-1].strip().splitlines()[0]})" if reasons else ""
+    return RecompileLimitError(
+        None,
+        f"the step recompiled {torch._dynamo.config.recompile_limit} times for the same input "
+        f"shapes{last}: Dynamo's recompile_limit; a Python value the step reads changes between "
+        "calls",
+        "pass the changing value as a tensor, or keep it fixed; or raise torch._dynamo.config.recompile_limit",
+    )
+
+
 def _unwrap_errors(call):
     try:
         return call()
+    except torch._dynamo.exc.FailOnRecompileLimitHit as e:
+        raise _recompile_limit(e) from None
     except torch._dynamo.exc.BackendCompilerFailed as e:
         inner = getattr(e, "inner_exception", None)
         if isinstance(inner, (PlanError, _PlanCaptured)):
@@ -131,21 +149,55 @@ class _PlanCaptured(Exception):
         self.plan = plan
 
 
+# compiled steps kept per sharded function, one per mesh and input shapes; the least recently
+# used goes first (a length seen again after that compiles again)
+MAX_COMPILED = 16
+
+
+def _shapes(fn: Callable, args, kwargs) -> tuple:
+    return tuple((name, tuple(t.shape), t.dtype) for name, t in _named_tensors(fn, args, kwargs))
+
+
 class ShardedStep:
     """The callable ``autosp.shard`` returns: compiles once per mesh and input shapes, then runs.
-    ``mesh``: returns the current ``autosp.Mesh`` (or None outside one)."""
+    ``mesh``: returns the current ``autosp.Mesh`` (or None outside one).
+
+    Each input shape has a compiled step of its own (a ``torch.compile`` of its own copy of the
+    step's code), so new lengths never reach Dynamo's recompile limit; each new shape is logged
+    once, with what changed. (Lengths are static: every new one compiles again.)"""
 
     def __init__(self, fn: Callable, seq: SeqSpec, options: Options, mesh: Callable[[], Any]):
         self.fn, self.seq, self.options, self._current_mesh = fn, seq, options, mesh
-        self._compiled: dict[int, Callable] = {}
+        self._compiled: collections.OrderedDict[tuple, Callable] = collections.OrderedDict()
+        self._plans: dict[tuple, Any] = {}
         self._fsdp_params: dict[int, FsdpParams | None] = {}
-        self.plan = None  # the Plan of the latest compile, as autosp.explain shows it
+        self.plan = None  # the Plan of the latest call's compile, as autosp.explain shows it
         functools.update_wrapper(self, fn)
 
-    def _record(self, plan) -> None:
-        self.plan = plan
+    def _recorder(self, key: tuple) -> Callable:
+        def record(plan) -> None:
+            self.plan = self._plans[key] = plan
 
-    def _step(self, m, on_plan=None) -> Callable:
+        return record
+
+    def _compiled_for(self, m, key: tuple) -> Callable:
+        """The compiled step for ``key`` (mesh, input shapes), compiled on first use."""
+        if key in self._compiled:
+            self._compiled.move_to_end(key)
+            self.plan = self._plans.get(key, self.plan)
+            return self._compiled[key]
+        before = next((k for k in reversed(self._compiled) if k[0] == key[0]), None)
+        if before is not None:
+            changed = [f"{a[0]} {a[1]} -> {b[1]}" for a, b in zip(before[1], key[1]) if a != b] or [str(key[1])]
+            log.warning("autosp: new input shapes (%s): compiling the step for them", ", ".join(changed))
+        self._compiled[key] = step = self._step(m, record=self._recorder(key))
+        if len(self._compiled) > MAX_COMPILED:
+            old, _ = self._compiled.popitem(last=False)
+            self._plans.pop(old, None)
+        return step
+
+    def _step(self, m, on_plan=None, record=None) -> Callable:
+        """The compiled step; ``on_plan`` is handed the plan (explain), else ``record``."""
         fsdp = self._fsdp(m)
 
         def step(*args, **kwargs):
@@ -158,13 +210,13 @@ class ShardedStep:
             return self.fn(*args, **kwargs)
 
         # Dynamo caches compiled code per code object, and every ShardedStep shares this `step`:
-        # a copy per instance keeps their caches apart (else the 9th sharded function would hit
-        # the recompile limit and silently run eager, unsharded).
+        # a copy per compiled step (sharded function and input shapes) keeps their caches apart
+        # (else the 9th sharded function, or length, would hit the recompile limit).
         step.__code__ = step.__code__.replace()
         if m.sp_size == 1 and m.dp_size == 1 and on_plan is None:
             backend = "inductor" if self.options.compiler == "inductor" else "aot_eager"
         else:
-            backend = make_backend(m, self.options, on_plan or self._record)
+            backend = make_backend(m, self.options, on_plan or record)
         return torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
 
     def _fsdp(self, m):
@@ -205,10 +257,8 @@ class ShardedStep:
         m = self._prepared(args, kwargs)
         if self.options.check_inputs and m.sp_size > 1 and dist.get_backend(m.sp_group) != "fake":
             check_same_inputs(_named_tensors(self.fn, args, kwargs), m.device_mesh.mesh.reshape(m.dp_size, -1).tolist())
-        key = id(m.device_mesh)
-        if key not in self._compiled:
-            self._compiled[key] = self._step(m)
-        out = self._run(m, self._compiled[key], args, kwargs)
+        step = self._compiled_for(m, (id(m.device_mesh), _shapes(self.fn, args, kwargs)))
+        out = self._run(m, step, args, kwargs)
         if m.sp_size * m.dp_size > 1 and self.plan is None and torch.is_grad_enabled():
             raise RuntimeError(
                 "autosp: the step ran without the autosp backend (nothing required grad, or Dynamo "

@@ -353,6 +353,7 @@ REDUCTIONS = {
     "cumsum_seq": lambda h: (h.cumsum(1) * h).mean(),
     "logcumsumexp_seq": lambda h: h.logcumsumexp(1).mean(),
     "reverse_cumsum_seq": lambda h: (h.flip(1).cumsum(1).flip(1) * h.tanh()).mean(),
+    "cumprod_seq": lambda h: ((h.tanh() * 0.1 + 1).cumprod(1) * h).mean(),
 }
 
 
@@ -575,8 +576,9 @@ REDUCTIONS_DRAWN = {
 def splits_along_sequence(op: str, dims) -> bool:
     """Whether the reduction's per-rank partial results along the sequence are combined as such
     (summed, all-reduced MAX or MIN, p-th powers summed) or merged (log-sum-exps, variances,
-    ``x.max(dim)`` with its index); a product reads the dim whole."""
-    return op != "prod"
+    ``x.max(dim)`` with its index, products along a dim); a product of every element reads its
+    input whole (DTensor's partial product is refused)."""
+    return not (op == "prod" and dims is None)
 
 
 def drawn_reduction_exactness(op: str, dims, keepdim: bool, L: int) -> dict:

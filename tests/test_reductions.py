@@ -50,6 +50,7 @@ def test_non_additive_reductions_match_one_device_and_gather_nothing(pools, kind
         "cumsum_seq",
         "logcumsumexp_seq",
         "reverse_cumsum_seq",
+        "prod_seq",
     ],
 )
 def test_reductions_along_the_sequence_merge_the_ranks_results(pools, kind):
@@ -59,9 +60,12 @@ def test_reductions_along_the_sequence_merge_the_ranks_results(pools, kind):
     (value, global index), the first index winning ties within and across ranks as on one
     device, the gradient scattered into the winner's row on its rank; running sums and
     log-sum-exps from the totals of the ranks before (their backward flips the gradient along
-    the sequence: an exchange with the mirrored ranks). Exact, and the activation is never
-    gathered. On 4 ranks with 3 tokens one rank holds none and offers no candidate."""
-    for world, L in ((2, 64), (4, 45), (4, 3)):
+    the sequence: an exchange with the mirrored ranks); a product by a product (its backward: a
+    shift, running products and flips). Exact, and the activation is never
+    gathered. On 4 ranks with 3 tokens one rank holds none: it offers no candidate, a sum or
+    product of nothing, or a scan's empty total (the kinds with such a path)."""
+    empty = kind in ("max_dim_seq", "cumsum_seq", "logsumexp_seq", "std_seq", "prod_seq")
+    for world, L in ((4, 45), (4, 3)) if empty else ((4, 45),):
         results = pools(world).run(cases.reduction_exactness, kind, 2, L)
         seq = "_S(0, 2)" if "flat" in kind else "S(1)"  # (b, L) flattened: each sequence's rows
         for r in results:
@@ -73,11 +77,12 @@ def test_reductions_along_the_sequence_merge_the_ranks_results(pools, kind):
         assert_matmuls_split(results, L)
 
 
-@pytest.mark.parametrize("kind", ["prod", "prod_seq"])
-def test_reductions_without_a_partial_form_stay_exact(pools, kind):
+@pytest.mark.parametrize("kind", ["prod", "cumprod_seq"])
+def test_products_that_read_their_input_whole_stay_exact(pools, kind):
     """A product of every element (DTensor's strategy offers a partial product, which autosp does
-    not reduce: refused at the rule) or along the sequence runs on its input whole: exact, with an
-    all-gather before the op, and no partial product ever reduced by summing."""
+    not reduce: refused at the rule) runs on its input whole, and so does a running product's
+    backward (torch's formula picks rows by index along the sequence): exact, with an
+    all-gather, and no partial product ever reduced by summing."""
     results = pools(2).run(cases.reduction_exactness, kind, 2, 64)
     assert_matmuls_split(results, 64)  # the layers before the product still split
     for r in results:

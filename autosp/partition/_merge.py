@@ -2,8 +2,9 @@
 (``Kernel.MERGE``), each rank's results all-gathered (reduced-sized, never the input): a
 log-sum-exp along the sharded dim is merged by a log-sum-exp over the ranks (a rank without
 elements contributes -inf, which the merge ignores); a variance or standard deviation by Chan's
-formula from each rank's (count, mean, sum of squared deviations); a running sum or log-sum-exp
-(``cumsum``, ``logcumsumexp``) from the totals of the ranks before; a maximum or minimum along the
+formula from each rank's (count, mean, sum of squared deviations); a product by a product; a
+running sum, product or log-sum-exp (``cumsum``, ``cumprod``, ``logcumsumexp``) from the totals
+of the ranks before; a maximum or minimum along the
 dim with its index (``max(dim)``, ``argmax``) from each rank's (value, global index), the first
 index winning ties as on one device."""
 
@@ -75,20 +76,42 @@ def _extremum_at(x, dim, keepdim=False, *, largest: bool, values: bool, block: i
     return (best, i) if values else i
 
 
-def _scan(x, dim, *, log: bool, rank: int, n: int, group, **kwargs):
-    """``cumsum`` (``logcumsumexp`` with ``log``) along the sharded dim: this rank's running sum
-    of its rows, plus the totals of the ranks before it (every rank's last row, gathered)."""
+def _scan(x, dim, *, kind: str, rank: int, n: int, group, **kwargs):
+    """``cumsum``, ``cumprod`` or ``logcumsumexp`` (``kind``: "sum", "prod", "log") along the
+    sharded dim: this rank's running result over its rows, combined with the totals of the ranks
+    before it (every rank's last row, gathered)."""
     d = dim % x.ndim
-    y = torch.logcumsumexp(x, d) if log else torch.cumsum(x, d, **kwargs)
+    scan, total, combine, none = _SCAN_KINDS[kind]
+    y = scan(x, d, **kwargs)
     if y.shape[d]:
         last = y.narrow(d, y.shape[d] - 1, 1)
     else:  # none, computed from y: an exchange of constants alone would be traced out on this rank
-        last = y.sum(d, keepdim=True) + (-math.inf if log else 0.0)
+        last = y.sum(d, keepdim=True) + none
     every = funcol.all_gather_tensor(last.contiguous(), 0, group).reshape(n, *last.shape)[:rank]
-    return torch.logaddexp(y, torch.logsumexp(every, 0)) if log else y + every.sum(0)
+    return combine(y, total(every, 0))
 
 
-_SCANS = {torch.ops.aten.cumsum.default: False, torch.ops.aten.logcumsumexp.default: True}
+# kind -> (the scan, the total of the ranks' totals, the combination, a rank's total without rows)
+_SCAN_KINDS = {
+    "sum": (torch.cumsum, torch.sum, torch.add, 0.0),
+    "prod": (torch.cumprod, torch.prod, torch.mul, 1.0),
+    "log": (torch.logcumsumexp, torch.logsumexp, torch.logaddexp, -math.inf),
+}
+_SCANS = {
+    torch.ops.aten.cumsum.default: "sum",
+    torch.ops.aten.cumprod.default: "prod",
+    torch.ops.aten.logcumsumexp.default: "log",
+}
+
+
+def _prod(x, dim, keepdim=False, *, n: int, group, **kwargs):
+    """A product along the sharded dim: the product of the ranks' own (a rank without elements
+    gives 1)."""
+    d = dim % x.ndim
+    own = x.prod(d, keepdim=True, **kwargs)
+    out = funcol.all_gather_tensor(own.contiguous(), 0, group).reshape(n, *own.shape).prod(0)
+    return out if keepdim else out.squeeze(d)
+
 
 _EXTREMA = {
     torch.ops.aten.max.dim: (True, True),
@@ -102,7 +125,9 @@ def _merge_call(nd, s, target, args, kwargs, ctx):
     """(call, args, kwargs) of a reduction run as a merge of the ranks' results."""
     common = dict(n=ctx.n, group=ctx.group)
     if target in _SCANS:
-        return functools.partial(_scan, log=_SCANS[target], rank=ctx.rank, **common), args, kwargs
+        return functools.partial(_scan, kind=_SCANS[target], rank=ctx.rank, **common), args, kwargs
+    if target is torch.ops.aten.prod.dim_int:
+        return functools.partial(_prod, **common), args, kwargs
     if target in _EXTREMA:
         largest, values = _EXTREMA[target]
         d, sf = shard_spec(s.ins[0])

@@ -351,25 +351,25 @@ def _reduction(node, A, n, *, linear: bool, partial=None):
     return _dedup(res)
 
 
-@rule(aten.logsumexp.default, aten.var.correction, aten.std.correction)
+@rule(aten.logsumexp.default, aten.var.correction, aten.std.correction, aten.prod.dim_int)
 def _merged_reduction(node, A, n):
     """Whole along the reduced dims, or split along them, each rank's result for its own
     elements gathered (reduced-sized) and merged (``partition._merge``): log-sum-exps by a
-    log-sum-exp over the ranks, variances by Chan's formula from each rank's (count, mean, sum
-    of squared deviations)."""
+    log-sum-exp over the ranks, products by a product, variances by Chan's formula from each
+    rank's (count, mean, sum of squared deviations)."""
     dims, _ = _reduce_dims(node)
     res = _reduction(node, A, n, linear=False)
-    sent = nbytes(_val(node)) * (n - 1) * (1 if node.target is aten.logsumexp.default else 3)
+    sent = nbytes(_val(node)) * (n - 1) * (3 if node.target in (aten.var.correction, aten.std.correction) else 1)
     for d, sf in _shards(A[0]):
         if d in dims and _val(node.args[0]).is_floating_point():
             res.append(Strategy((R,), (shard(d, sf),), kernel=Kernel.MERGE, comm=sent))
     return _dedup(res)
 
 
-@rule(aten.cumsum.default, aten.logcumsumexp.default)
+@rule(aten.cumsum.default, aten.cumprod.default, aten.logcumsumexp.default)
 def _scan(node, A, n):
-    """A running sum (log-sum-exp) along a dim: sharded along any other dim; or along it, each
-    rank scanning its own rows and adding what the ranks before it total (their last rows,
+    """A running sum (product, log-sum-exp) along a dim: sharded along any other dim; or along
+    it, each rank scanning its own rows and combining them with what the ranks before it total (their last rows,
     gathered: reduced-sized; ``partition._merge``). Floating-point data only: integer and bool
     scans (positions from a mask) are bookkeeping, replicated cheaply."""
     x, out = _val(node.args[0]), _val(node)
@@ -418,7 +418,6 @@ def _extremum_at(node, A, n):
 @rule(
     aten.any.dim,
     aten.all.dim,
-    aten.prod.dim_int,
 )
 def _reduce_nonlinear(node, A, n):
     return _reduction(node, A, n, linear=False)

@@ -17,8 +17,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 from .._context import Kernel
-from .._graph import out_vals
-from ..propagate._placement import chunks, offsets, shard_spec
+from ._scatter import block_rows
 
 __all__ = ["MERGE_KERNELS"]
 
@@ -52,14 +51,13 @@ def _variance(x, dim=None, *, correction=None, keepdim=False, std: bool, n: int,
     return out if keepdim else out.squeeze(dims)
 
 
-def _extremum_at(x, dim, keepdim=False, *, largest: bool, values: bool, block: int, sf: int, rank: int, n: int, group):
+def _extremum_at(x, dim, keepdim=False, *, largest: bool, values: bool, rows, n: int, group):
     """``max(x, dim)`` (``values``) or ``argmax(x, dim)`` (``largest``; else min / argmin) of the
-    global tensor, from this rank's rows of ``sf`` blocks of ``block``: each rank's extremum and
-    its global index (a rank without rows offers none), gathered; the extremum of those, and of
-    its holders the least index (NaN wins, as on one device)."""
+    global tensor, from this rank's rows (``block_rows``): each rank's extremum and its global
+    index (a rank without rows offers none), gathered; the extremum of those, and of its holders
+    the least index (NaN wins, as on one device)."""
     d = dim % x.ndim
-    cs = chunks(block, n)
-    c, off = cs[rank], offsets(cs)[rank]
+    block, sf, c, off = rows
     if x.shape[d]:
         v, i = (torch.max if largest else torch.min)(x, d, keepdim=True)
         i = i // c * block + off + i % c
@@ -130,10 +128,8 @@ def _merge_call(nd, s, target, args, kwargs, ctx):
         return functools.partial(_prod, **common), args, kwargs
     if target in _EXTREMA:
         largest, values = _EXTREMA[target]
-        d, sf = shard_spec(s.ins[0])
-        block = out_vals(nd.args[0])[0].shape[d] // sf
-        call = functools.partial(_extremum_at, largest=largest, values=values, block=block, sf=sf, rank=ctx.rank)
-        return functools.partial(call, **common), args, kwargs
+        rows = block_rows(nd, s, ctx.n, ctx.rank)
+        return functools.partial(_extremum_at, largest=largest, values=values, rows=rows, **common), args, kwargs
     if target is torch.ops.aten.logsumexp.default:
         return functools.partial(_logsumexp, **common), args, kwargs
     std = target is torch.ops.aten.std.correction

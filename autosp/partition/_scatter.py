@@ -13,13 +13,22 @@ from .._context import Kernel
 from .._graph import out_vals
 from ..propagate._placement import chunks, offsets, shard_spec
 
-__all__ = ["OWN_ROWS_KERNELS"]
+__all__ = ["OWN_ROWS_KERNELS", "block_rows"]
 
 
-def _own_rows(op, x, dim, index, *rest, block: int, sf: int, rank: int, n: int, **kwargs):
-    d = dim % x.ndim
+def block_rows(nd, s, n: int, rank: int) -> tuple[int, int, int, int]:
+    """(block, split factor, rows, first row) of the input ``nd`` reads sharded (``s.ins[0]``):
+    its sharded dim is ``sf`` blocks of ``block`` global rows, of each of which this rank holds
+    ``rows`` from ``first`` on."""
+    d, sf = shard_spec(s.ins[0])
+    block = out_vals(nd.args[0])[0].shape[d] // sf
     cs = chunks(block, n)
-    c, off = cs[rank], offsets(cs)[rank]
+    return block, sf, cs[rank], offsets(cs)[rank]
+
+
+def _own_rows(op, x, dim, index, *rest, rows: tuple[int, int, int, int], **kwargs):
+    d = dim % x.ndim
+    block, sf, c, off = rows
     within = index % block - off
     local = torch.where((within >= 0) & (within < c), index // block * c + within, sf * c)
     spare = list(x.shape)
@@ -29,9 +38,7 @@ def _own_rows(op, x, dim, index, *rest, block: int, sf: int, rank: int, n: int, 
 
 
 def _own_rows_call(nd, s, target, args, kwargs, ctx):
-    d, sf = shard_spec(s.ins[0])
-    block = out_vals(nd.args[0])[0].shape[d] // sf
-    return functools.partial(_own_rows, target, block=block, sf=sf, rank=ctx.rank, n=ctx.n), args, kwargs
+    return functools.partial(_own_rows, target, rows=block_rows(nd, s, ctx.n, ctx.rank)), args, kwargs
 
 
 OWN_ROWS_KERNELS = {Kernel.OWN_ROWS: _own_rows_call}

@@ -22,7 +22,7 @@ from ..errors import PlanError
 from ._annotate import ANNOTATE
 from ._attention import hybrid_strategies
 from ._placement import P, R, can_shard, is_shard, shard, shard_spec
-from ._rules import FACTORIES, FILLED_FACTORIES, selection_read, strategies_for
+from ._rules import FILLED_FACTORIES, selection_read, strategies_for
 from ._strategy import Strategy
 
 __all__ = ["Candidates", "propagate"]
@@ -84,13 +84,6 @@ def _justified(s: Strategy, reach) -> bool:
     if s.introduces or all(o is None or o == R for o in s.outs):
         return True
     return any(q != R and _activation(reach[j]) for j, q in enumerate(s.ins))
-
-
-def _asked_factory(node: fx.Node, s: Strategy, wanted_out: list[frozenset]) -> bool:
-    """A tensor of one value may be made sharded where a later op asks for it so (the zeros a
-    selection's gradient is scattered into): a free slice of a replicated one, without the
-    whole tensor."""
-    return node.target in FILLED_FACTORIES and all(o in w for o, w in zip(s.outs, wanted_out) if o is not None)
 
 
 def _forced(node: fx.Node, strats: list[Strategy], attention: str) -> list[Strategy]:
@@ -155,11 +148,11 @@ def _visit(c: Candidates, node: fx.Node, ctx: SpContext, wanted: dict) -> None:
     if strats is None:
         c.no_rule.add(node)
         strats = [Strategy(tuple(R if v is not None else None for v in out_vals(node)), tuple(R for _ in ins))]
-    wanted_out = [wanted.get((node, i), frozenset()) for i in range(len(out_vals(node)))]
-    if node.target in FILLED_FACTORIES:  # made in the layout a later op asks for (the zeros of a gradient)
-        whole = [s for s in strats if s.outs[0] == R]
-        strats = strats + [Strategy((q,), s.ins) for q in sorted(wanted_out[0], key=str) if is_shard(q) for s in whole]
-    strats = [s for s in strats if _justified(s, reach) or _asked_factory(node, s, wanted_out)]
+    strats = [s for s in strats if _justified(s, reach)]
+    if node.target in FILLED_FACTORIES:  # a tensor of one value, made in a sharded layout a later op
+        # asks for (the zeros of a selection's gradient): a free slice, without the whole tensor
+        asked = sorted((q for q in wanted.get((node, 0), ()) if is_shard(q)), key=str)
+        strats = strats + [Strategy((q,), s.ins) for q in asked for s in strats if s.outs[0] == R]
     strats = _forced(node, strats, ctx.options.attention)
     c.strategies[node] = strats
     for i, v in enumerate(out_vals(node)):
@@ -179,7 +172,7 @@ def _wants(gm: fx.GraphModule, c: Candidates, ctx: SpContext) -> dict:
                     if q not in c.reach[key]:
                         wanted[key].add(q)
     for node in reversed(list(gm.graph.nodes)):
-        if node.op != "call_function" or node.target in FACTORIES:  # a factory's input gives its dtype only
+        if node.op != "call_function":
             continue
         ins = tensor_inputs(node)
         for i in range(len(out_vals(node))):

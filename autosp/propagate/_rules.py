@@ -28,7 +28,7 @@ from ._placement import shard_specs as _shards
 from ._strategy import PROVENANCE, RULES, Sets, Strategy, provenance, rule
 from ._strategy import dedup as _dedup
 
-__all__ = ["strategies_for", "VIEW_OPS", "cat_rule", "FACTORIES", "FILLED_FACTORIES", "selection_read"]
+__all__ = ["strategies_for", "VIEW_OPS", "cat_rule", "FILLED_FACTORIES", "selection_read"]
 
 aten = torch.ops.aten
 
@@ -699,29 +699,23 @@ def _getitem(node, A, n):
 # factories: computed whole on every rank (cheap, sequence-sized at most), sliced where needed
 
 
-# ops whose tensor argument (``x.new_zeros(size)``) gives only dtype and device
-FACTORIES = frozenset(
-    {
-        aten.arange.default,
-        aten.arange.start,
-        aten.arange.start_step,
-        aten.full.default,
-        aten.zeros.default,
-        aten.ones.default,
-        aten.empty.memory_format,
-        aten.scalar_tensor.default,
-        aten.new_zeros.default,
-        aten.new_ones.default,
-        aten.new_full.default,
-        aten.new_empty.default,
-        aten.empty_strided.default,
-        aten.lift_fresh.default,
-        aten.new_empty_strided.default,
-    }
+@rule(
+    aten.arange.default,
+    aten.arange.start,
+    aten.arange.start_step,
+    aten.full.default,
+    aten.zeros.default,
+    aten.ones.default,
+    aten.empty.memory_format,
+    aten.scalar_tensor.default,
+    aten.new_zeros.default,
+    aten.new_ones.default,
+    aten.new_full.default,
+    aten.new_empty.default,
+    aten.empty_strided.default,
+    aten.lift_fresh.default,
+    aten.new_empty_strided.default,
 )
-
-
-@rule(*FACTORIES)
 def _factory(node, A, n):
     """A factory's tensor argument (``x.new_zeros(size)``) gives only dtype and device: it stays
     wherever it is, never gathered for this. (One of ``FILLED_FACTORIES`` is also made sharded

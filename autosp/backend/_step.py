@@ -113,7 +113,7 @@ def _graph_break(e: Exception) -> GraphBreakError:
     )
 
 
-def _recompile_limit(e: Exception) -> RecompileLimitError:
+def _recompile_limit() -> RecompileLimitError:
     reasons = [str(r) for rs in torch._dynamo.utils.guard_failures.values() for r in rs]
     last = f" (the last time: {reasons[-1].strip().splitlines()[0]})" if reasons else ""
     return RecompileLimitError(
@@ -128,8 +128,8 @@ def _recompile_limit(e: Exception) -> RecompileLimitError:
 def _unwrap_errors(call):
     try:
         return call()
-    except torch._dynamo.exc.FailOnRecompileLimitHit as e:
-        raise _recompile_limit(e) from None
+    except torch._dynamo.exc.FailOnRecompileLimitHit:
+        raise _recompile_limit() from None
     except torch._dynamo.exc.BackendCompilerFailed as e:
         inner = getattr(e, "inner_exception", None)
         if isinstance(inner, (PlanError, _PlanCaptured)):
@@ -154,8 +154,8 @@ class _PlanCaptured(Exception):
 MAX_COMPILED = 16
 
 
-def _shapes(fn: Callable, args, kwargs) -> tuple:
-    return tuple((name, tuple(t.shape), t.dtype) for name, t in _named_tensors(fn, args, kwargs))
+def _shapes(named: list[tuple[str, torch.Tensor]]) -> tuple:
+    return tuple((name, tuple(t.shape), t.dtype) for name, t in named)
 
 
 class ShardedStep:
@@ -255,9 +255,10 @@ class ShardedStep:
 
     def __call__(self, *args, **kwargs):
         m = self._prepared(args, kwargs)
+        named = _named_tensors(self.fn, args, kwargs)
         if self.options.check_inputs and m.sp_size > 1 and dist.get_backend(m.sp_group) != "fake":
-            check_same_inputs(_named_tensors(self.fn, args, kwargs), m.device_mesh.mesh.reshape(m.dp_size, -1).tolist())
-        step = self._compiled_for(m, (id(m.device_mesh), _shapes(self.fn, args, kwargs)))
+            check_same_inputs(named, m.device_mesh.mesh.reshape(m.dp_size, -1).tolist())
+        step = self._compiled_for(m, (id(m.device_mesh), _shapes(named)))
         out = self._run(m, step, args, kwargs)
         if m.sp_size * m.dp_size > 1 and self.plan is None and torch.is_grad_enabled():
             raise RuntimeError(

@@ -16,6 +16,23 @@ from hypothesis import strategies as st
 pytest.importorskip("transformers")
 
 
+def _drawn(examples: int):
+    """The same examples every run (``examples`` of them unless AUTOSP_HYPOTHESIS_EXAMPLES says)."""
+
+    def wrap(test):
+        return seed(int(os.environ.get("AUTOSP_HYPOTHESIS_SEED", 0)))(
+            settings(
+                max_examples=int(os.environ.get("AUTOSP_HYPOTHESIS_EXAMPLES", examples)),
+                deadline=None,
+                derandomize=True,
+                database=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+            )(test)
+        )
+
+    return wrap
+
+
 @st.composite
 def configurations(draw):
     heads = draw(st.sampled_from([2, 3, 4, 6, 8]))
@@ -33,14 +50,7 @@ def configurations(draw):
     }
 
 
-@seed(int(os.environ.get("AUTOSP_HYPOTHESIS_SEED", 0)))
-@settings(
-    max_examples=int(os.environ.get("AUTOSP_HYPOTHESIS_EXAMPLES", 6)),
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@_drawn(6)
 @given(cfg=configurations())
 def test_random_small_configurations_match_one_device(pools, cfg):
     for r in pools(cfg["world"]).run(cases.random_hf_exactness, cfg):
@@ -65,14 +75,7 @@ def reductions(draw):
     }
 
 
-@seed(int(os.environ.get("AUTOSP_HYPOTHESIS_SEED", 0)))
-@settings(
-    max_examples=int(os.environ.get("AUTOSP_HYPOTHESIS_EXAMPLES", 10)),
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@_drawn(10)
 @given(spec=reductions())
 def test_random_reductions_are_exact_and_split_where_they_can_be(pools, spec):
     """Any of 13 reductions over every element, the sequence, the features or both, kept dims or

@@ -343,7 +343,7 @@ REDUCTIONS = {
     "prod": lambda h: (h.tanh() * 0.01 + 1).prod(),  # DTensor offers a partial product here
     "logsumexp_seq": lambda h: h.logsumexp(dim=1).sum(),
     # the values carry the gradient, the indices weigh them: a wrong winner changes the loss
-    "max_dim_seq": lambda h: (h.max(dim=1).values * (1 + h.argmin(dim=1))).sum(),
+    "max_dim_seq": lambda h: (torch.max(h, -2).values * (1 + h.argmin(dim=1))).sum(),  # dims both ways
     "min_dim_seq_keepdim_ties": lambda h: (lambda m: (m.values * (1 + m.indices)).sum())(h.min(1, keepdim=True)),
     "max_dim_ties": lambda h: (h.max(dim=1).values * (1 + h.argmax(dim=1))).sum(),
     # over every token of the batch: the flattened dim is a strided shard (each sequence's rows)
@@ -352,7 +352,7 @@ REDUCTIONS = {
     # reverse one written as users write it, by flips
     "cumsum_seq": lambda h: (h.cumsum(1) * h).mean(),
     "logcumsumexp_seq": lambda h: h.logcumsumexp(1).mean(),
-    "reverse_cumsum_seq": lambda h: (h.flip(1).cumsum(1).flip(1) * h.tanh()).mean(),
+    "reverse_cumsum_seq": lambda h: (torch.flip(h, [-2]).cumsum(-2).flip(-2) * h.tanh()).mean(),
     "cumprod_seq": lambda h: ((h.tanh() * 0.1 + 1).cumprod(1) * h).mean(),
 }
 
@@ -420,6 +420,11 @@ SHIFTS = {
     "conv1d_causal": lambda h, ids, m: (torch.nn.functional.silu(_conv(m[3], h, h.shape[1])), ids),
     "conv1d_same_dilated": lambda h, ids, m: (_conv(m[4], h), ids),
     "unfold_window": lambda h, ids, m: ((h.unfold(1, 4, 1) * torch.linspace(0.2, 1.0, 4)).sum(-1), ids[:, 3:]),
+    # the same windows, written as a loop of slices stacked
+    "windows_by_slices": lambda h, ids, m: (
+        (torch.stack([h[:, i : h.shape[1] - 3 + i] for i in range(4)], -1) * torch.linspace(0.2, 1.0, 4)).sum(-1),
+        ids[:, 3:],
+    ),
 }
 
 

@@ -64,8 +64,12 @@ def test_reductions_along_the_sequence_merge_the_ranks_results(pools, kind):
     shift, running products and flips). Exact, and the activation is never
     gathered. On 4 ranks with 3 tokens one rank holds none: it offers no candidate, a sum or
     product of nothing, or a scan's empty total (the kinds with such a path)."""
-    empty = kind in ("max_dim_seq", "cumsum_seq", "logsumexp_seq", "std_seq", "prod_seq")
-    for world, L in ((4, 45), (4, 3)) if empty else ((4, 45),):
+    geometries = [(4, 45)]
+    if kind in ("logsumexp_seq", "std_seq", "var_seq_keepdim"):
+        geometries.append((2, 64))  # an even split, as these were first tested
+    if kind in ("max_dim_seq", "cumsum_seq", "logsumexp_seq", "std_seq", "prod_seq"):
+        geometries.append((4, 3))
+    for world, L in geometries:
         results = pools(world).run(cases.reduction_exactness, kind, 2, L)
         seq = "_S(0, 2)" if "flat" in kind else "S(1)"  # (b, L) flattened: each sequence's rows
         for r in results:

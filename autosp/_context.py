@@ -61,6 +61,9 @@ class Options:
         (planning tools: ``autosp plan``), e.g. ``every_rung=True``.
     check_inputs: check at every step that the ranks of each sp group were called with the same
         inputs (a fingerprint all-gathered over the group), e.g. ``check_inputs=False``.
+    dynamic: capture the step with the sequence lengths symbolic: one compile serves every
+        length with the same remainder modulo sp (at most sp compiles), where False compiles
+        once per length, e.g. ``dynamic=False``.
     """
 
     compiler: str = "inductor"
@@ -69,6 +72,7 @@ class Options:
     attention: str = "auto"
     every_rung: bool = False
     check_inputs: bool = True
+    dynamic: bool = True
 
     def __post_init__(self):
         if self.compiler not in ("inductor", "aot_eager"):

@@ -9,10 +9,13 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.fx.operator_schemas import normalize_function
 from torch.utils._pytree import tree_flatten
 
 __all__ = [
+    "hint",
+    "SYM_TYPES",
     "out_vals",
     "tensor_inputs",
     "op_args",
@@ -43,6 +46,23 @@ def is_attention_backward(target) -> bool:
     return ATTENTION_OPS.get(target, False)
 
 
+SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def hint(x):
+    """A size, count or cost (or a sequence of them) at its hint, without a guard: a symbolic
+    sequence length read at the length the compile was first called with. Cost models and
+    planning read sizes so; the per-rank graph keeps them symbolic. Plain numbers pass through."""
+    if isinstance(x, (list, tuple)):
+        return type(x)(hint(a) for a in x) if type(x) in (list, tuple) else tuple(hint(a) for a in x)
+    if isinstance(x, torch.SymInt):
+        return optimization_hint(x)
+    if isinstance(x, (torch.SymFloat, torch.SymBool)):
+        node = x.node
+        return node.hint if node.hint is not None else node.pytype(node.shape_env.size_hint(node.expr))
+    return x
+
+
 def out_vals(node: fx.Node) -> list:
     """The node's outputs as a flat list of fake tensors (None where an output is not a tensor)."""
     val = node.meta.get("val")
@@ -65,7 +85,7 @@ def op_args(node: fx.Node) -> dict[str, Any]:
 
 def nbytes(t: torch.Tensor) -> int:
     """A tensor's bytes as laid out densely (what a collective moves)."""
-    return math.prod(t.shape) * t.element_size()
+    return hint(math.prod(t.shape)) * t.element_size()
 
 
 def out_bytes(node: fx.Node) -> int:

@@ -1258,36 +1258,72 @@ def tiled(fn, *args, min_rows: int = 8, **kwargs):
         _tiling.MIN_TILE_ROWS, _checkpoint.select = keep, select
 
 
-def lengths_past_the_recompile_limit(lengths: list[int], limit: int) -> dict:
-    """One sharded step called with each of ``lengths`` under Dynamo's recompile limit ``limit``
-    (fewer than the distinct lengths): (loss, one device's loss, worst gradient error) per call,
-    the compiled variants kept, and autosp's log lines about new shapes."""
+def _compiles() -> int:
+    """The graphs Dynamo has compiled in this process so far (its own count)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def many_lengths(
+    kind: str, lengths: list[int], limit: int = 8, dynamic: bool = True, min_tile_rows: int | None = None
+) -> dict:
+    """One sharded step of ``kind`` ("embed": an embedding and a projection with its loss; or a
+    model of ``MODELS``) called with each of ``lengths`` under Dynamo's recompile limit ``limit``:
+    (loss, one device's loss, worst gradient error) per call, the compiled steps autosp keeps,
+    the graphs Dynamo compiled (its count), autosp's log lines about new shapes, and each call's
+    checkpointing rung. ``min_tile_rows``: tile along the sequence from that many rows a tile
+    (``tiled``; checkpoint="full" then takes the last tiled rung)."""
     import logging
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64))
+    if kind == "embed":
+        model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64))
+        vocab = 64
+
+        def fn(m, ids):
+            return torch.nn.functional.cross_entropy(m(ids).flatten(0, 1), ids.flatten())
+    else:
+        model, vocab = MODELS[kind](), 256
+
+        def fn(m, ids):
+            return m(ids, ids)
+
     ref = copy.deepcopy(model)
-
-    def fn(m, ids):
-        return torch.nn.functional.cross_entropy(m(ids).flatten(0, 1), ids.flatten())
-
     lines: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())
     logging.getLogger("autosp").addHandler(handler)
-    steps = []
-    try:
+    steps, rungs, flops, before = [], [], [], _compiles()
+    checkpoint = "auto" if min_tile_rows is None else "full"
+
+    def run():
         with torch._dynamo.config.patch(recompile_limit=limit), autosp.mesh():
-            step = autosp.shard(lambda ids: fn(model, ids), compiler="aot_eager")
+            step = autosp.shard(
+                lambda ids: fn(model, ids), compiler="aot_eager", dynamic=dynamic, checkpoint=checkpoint
+            )
             for L in lengths:
-                ids = torch.randint(0, 64, (1, L), generator=torch.Generator().manual_seed(L))
+                ids = torch.randint(0, vocab, (1, L), generator=torch.Generator().manual_seed(L))
                 for p in [*model.parameters(), *ref.parameters()]:
                     p.grad = None
                 loss = step(ids)
                 loss.backward()
+                rungs.append(step.plan.checkpoint.chosen)
                 loss_ref = fn(ref, ids)
                 loss_ref.backward()
                 steps.append((loss.item(), loss_ref.item(), max(_grad_errors(model, ref).values())))
+            flops.extend((_matmul_flops(lambda: step(ids)), _matmul_flops(lambda: fn(ref, ids))))
+            return step
+
+    try:
+        step = run() if min_tile_rows is None else tiled(run, min_rows=min_tile_rows)
     finally:
         logging.getLogger("autosp").removeHandler(handler)
-    return {"steps": steps, "compiled": len(step._compiled), "log": [m for m in lines if "new input shapes" in m]}
+    return {
+        "steps": steps,
+        "compiled": len(step._compiled),
+        "graphs": _compiles() - before,
+        "log": [m for m in lines if "new input shapes" in m],
+        "rungs": rungs,
+        "flops": flops,  # matmul FLOPs at the last length: this rank's, one device's
+    }

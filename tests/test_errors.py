@@ -80,20 +80,6 @@ def test_graph_break_is_an_error_naming_the_line(fake_world):
         _explain(step, torch.randint(0, 16, (1, 512)))
 
 
-def test_more_lengths_than_dynamos_recompile_limit_run_exact(pools):
-    """Each new length compiles a step of its own (logged once, with what changed), so the 4th
-    distinct length under a recompile limit of 2 runs, exact, and a length seen before reuses
-    its step."""
-    for r in pools(2).run(cases.lengths_past_the_recompile_limit, [5, 9, 12, 7, 9], 2):
-        for loss, ref, grad_err in r["steps"]:
-            assert abs(loss - ref) <= 1e-5 * abs(ref) and grad_err <= 1e-5, r["steps"]
-        assert r["compiled"] == 4, r
-        assert r["log"] == [
-            f"autosp: new input shapes (ids (1, {a}) -> (1, {b})): compiling the step for them"
-            for a, b in ((5, 9), (9, 12), (12, 7))
-        ], r["log"]
-
-
 def test_a_step_recompiling_past_dynamos_limit_is_an_autosp_error(fake_world):
     """A Python value the step reads that changes every call recompiles it for the same shapes;
     at Dynamo's limit that is an autosp error naming the value's guard and the fix, not Dynamo's

@@ -38,6 +38,7 @@ from ..partition import (
 from ..propagate import propagate, solve
 from ._checks import check_same_plan, check_same_schedule, largest_peaks
 from ._plan import Plan, build_plan
+from ._symbolic import hinted, is_symbolic, lengths_note
 
 __all__ = ["make_backend", "DECOMPOSITIONS"]
 
@@ -124,25 +125,36 @@ def _with_errors(compile_fn: Callable) -> Callable:
     return compile
 
 
-def make_backend(mesh, options: Options, on_plan: Callable[[Plan], None] | None = None):
+def make_backend(
+    mesh,
+    options: Options,
+    on_plan: Callable[[Plan], None] | None = None,
+    on_run: Callable[[Plan], None] | None = None,
+):
     """A Dynamo backend that runs the training step sequence-parallel over ``mesh``'s sp axis;
-    ``on_plan`` receives each compile's plan."""
+    ``on_plan`` receives each compile's plan, ``on_run`` the plan of the compile that runs, at each
+    call (with a symbolic length, Dynamo picks among a step's compiles by the length)."""
     ctx = SpContext.of(mesh, options)
+    plans: list[Plan] = []  # the plan of the compile under way, for its forward's compiled function
 
     def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs, **kwargs):
         folded = _run("fold K/V repeats", fold_kv_repeats, joint, ctx.n)
         folded += _run("replicate K/V heads", replicate_kv_heads, joint, ctx)
-        candidates = _run("propagate", propagate, joint, ctx)
-        choice = _run("solve", solve, joint, candidates, ctx)
-        plan = _run("plan", build_plan, joint, choice, ctx.n, tuple(folded))
+        # planning reads sizes at their hints (a copy of the graph); the per-rank graph stays symbolic
+        planned, to_joint = hinted(joint) if is_symbolic(joint) else (joint, None)
+        candidates = _run("propagate", propagate, planned, ctx)
+        choice = _run("solve", solve, planned, candidates, ctx)
+        plan = _run("plan", build_plan, planned, choice, ctx.n, tuple(folded))
         check_same_plan(plan, ctx)
+        tiling = plan_tiles(planned.graph, choice.strategy, ctx, symbolic=to_joint)
+        if to_joint is not None:
+            choice = dataclasses.replace(choice, strategy={to_joint[nd]: s for nd, s in choice.strategy.items()})
 
         def per_rank(tiling=None) -> fx.GraphModule:
             local = localize(joint, choice, joint_inputs, ctx, num_fwd_outputs=num_fwd_outputs, tiling=tiling)
             return gathers_at_first_use(local)
 
         local = _run("localize", per_rank)
-        tiling = plan_tiles(joint.graph, choice.strategy, ctx)
         fw, bw, ckpt = _run(
             "checkpoint",
             checkpoint_partition,
@@ -157,13 +169,30 @@ def make_backend(mesh, options: Options, on_plan: Callable[[Plan], None] | None 
             **kwargs,
         )
         check_same_schedule(fw, bw, ctx)
+        notes = plan.notes + ((lengths_note(joint_inputs),) if to_joint is not None else ())
+        plan = dataclasses.replace(plan, memory=ckpt.memory, checkpoint=ckpt, notes=notes)
+        plans[:] = [plan]
         if on_plan is not None:
-            on_plan(dataclasses.replace(plan, memory=ckpt.memory, checkpoint=ckpt))
+            on_plan(plan)
         return fw, bw
 
     compile_fn = _with_errors(_compiler(options.compiler))
+
+    def fw_compile(gm: fx.GraphModule, example_inputs):
+        run = compile_fn(gm, example_inputs)
+        if on_run is None or not plans:  # an inference graph (no grad) has no partition, no plan
+            return run
+        plan = plans.pop()  # its partition's, just before
+
+        def ran(args):
+            on_run(plan)
+            return run(args)
+
+        ran._boxed_call = True
+        return ran
+
     return aot_autograd(
-        fw_compiler=compile_fn,
+        fw_compiler=fw_compile,
         bw_compiler=compile_fn,
         partition_fn=partition,
         decompositions=DECOMPOSITIONS,

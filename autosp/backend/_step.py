@@ -154,50 +154,60 @@ class _PlanCaptured(Exception):
 MAX_COMPILED = 16
 
 
-def _shapes(named: list[tuple[str, torch.Tensor]]) -> tuple:
-    return tuple((name, tuple(t.shape), t.dtype) for name, t in named)
+def _shapes(named: list[tuple[str, torch.Tensor]], symbolic: dict[int, int] | None = None) -> tuple:
+    """The input shapes a compiled step serves: each sharded dim of a symbolic compile (``symbolic``:
+    the id of its input -> the dim) as "S"."""
+    out = []
+    for name, t in named:
+        shape = list(t.shape)
+        d = (symbolic or {}).get(id(t))
+        if d is not None:
+            shape[d] = "S"
+        out.append((name, tuple(shape), t.dtype))
+    return tuple(out)
+
+
+def _changed(before: tuple, after: tuple) -> str:
+    return ", ".join(f"{a[0]} {a[1]} -> {b[1]}" for a, b in zip(before, after) if a != b) or str(after)
 
 
 class ShardedStep:
     """The callable ``autosp.shard`` returns: compiles once per mesh and input shapes, then runs.
     ``mesh``: returns the current ``autosp.Mesh`` (or None outside one).
 
-    Each input shape has a compiled step of its own (a ``torch.compile`` of its own copy of the
-    step's code), so new lengths never reach Dynamo's recompile limit; each new shape is logged
-    once, with what changed. (Lengths are static: every new one compiles again.)"""
+    With ``dynamic=True`` (the default) the sharded dims are symbolic: one compiled step serves
+    every length (``backend._symbolic``). Dynamo compiles it again only where the plan makes a
+    choice by the length, and then once per choice, not per length: the number of tiles along
+    the sequence (1, 2, 4 or 8). Other shapes (the batch, a dtype) and ``dynamic=False`` compile
+    once per shape: a ``torch.compile`` of its own copy of the step's code each, so new shapes
+    never reach Dynamo's recompile limit; each new one is logged once, with what changed."""
 
     def __init__(self, fn: Callable, seq: SeqSpec, options: Options, mesh: Callable[[], Any]):
         self.fn, self.seq, self.options, self._current_mesh = fn, seq, options, mesh
         self._compiled: collections.OrderedDict[tuple, Callable] = collections.OrderedDict()
-        self._plans: dict[tuple, Any] = {}
         self._fsdp_params: dict[int, FsdpParams | None] = {}
-        self.plan = None  # the Plan of the latest call's compile, as autosp.explain shows it
+        self.plan = None  # the Plan of the compile the latest call ran, as autosp.explain shows it
         functools.update_wrapper(self, fn)
 
-    def _recorder(self, key: tuple) -> Callable:
-        def record(plan) -> None:
-            self.plan = self._plans[key] = plan
+    def _record(self, plan) -> None:
+        self.plan = plan
 
-        return record
-
-    def _compiled_for(self, m, key: tuple) -> Callable:
+    def _compiled_for(self, m, key: tuple, dynamic: bool) -> Callable:
         """The compiled step for ``key`` (mesh, input shapes), compiled on first use."""
         if key in self._compiled:
             self._compiled.move_to_end(key)
-            self.plan = self._plans.get(key, self.plan)
             return self._compiled[key]
         before = next((k for k in reversed(self._compiled) if k[0] == key[0]), None)
         if before is not None:
-            changed = [f"{a[0]} {a[1]} -> {b[1]}" for a, b in zip(before[1], key[1]) if a != b] or [str(key[1])]
-            log.warning("autosp: new input shapes (%s): compiling the step for them", ", ".join(changed))
-        self._compiled[key] = step = self._step(m, record=self._recorder(key))
+            log.warning("autosp: new input shapes (%s): compiling the step for them", _changed(before[1], key[1]))
+        self._compiled[key] = step = self._step(m, dynamic=dynamic)
         if len(self._compiled) > MAX_COMPILED:
-            old, _ = self._compiled.popitem(last=False)
-            self._plans.pop(old, None)
+            self._compiled.popitem(last=False)
         return step
 
-    def _step(self, m, on_plan=None, record=None) -> Callable:
-        """The compiled step; ``on_plan`` is handed the plan (explain), else ``record``."""
+    def _step(self, m, on_plan=None, dynamic: bool = False) -> Callable:
+        """The compiled step; ``on_plan`` is handed each compile's plan (explain), else each call
+        records the plan of the compile it runs; ``dynamic``: the marked dims symbolic."""
         fsdp = self._fsdp(m)
 
         def step(*args, **kwargs):
@@ -216,8 +226,22 @@ class ShardedStep:
         if m.sp_size == 1 and m.dp_size == 1 and on_plan is None:
             backend = "inductor" if self.options.compiler == "inductor" else "aot_eager"
         else:
-            backend = make_backend(m, self.options, on_plan or record)
-        return torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
+            backend = make_backend(m, self.options, on_plan, on_run=self._record if on_plan is None else None)
+        return torch.compile(step, backend=backend, fullgraph=True, dynamic=None if dynamic else False)
+
+    def _symbolic_inputs(self, args, kwargs) -> tuple[tuple, dict, dict[int, int]]:
+        """The inputs, each sharded one as an alias with its sharded dim marked dynamic (the
+        caller's tensors stay unmarked), and the alias ids -> their dims."""
+        marked: dict[int, int] = {}
+
+        def mark(name, value, dim):
+            alias = value.view_as(value)
+            torch._dynamo.maybe_mark_dynamic(alias, dim)
+            marked[id(alias)] = dim
+            return alias
+
+        args, kwargs = _map_inputs(self.fn, self.seq, args, kwargs, mark)
+        return args, kwargs, marked
 
     def _fsdp(self, m):
         """The FSDP2 parameters the function reaches (None without), found once per mesh."""
@@ -258,7 +282,12 @@ class ShardedStep:
         named = _named_tensors(self.fn, args, kwargs)
         if self.options.check_inputs and m.sp_size > 1 and dist.get_backend(m.sp_group) != "fake":
             check_same_inputs(named, m.device_mesh.mesh.reshape(m.dp_size, -1).tolist())
-        step = self._compiled_for(m, (id(m.device_mesh), _shapes(named)))
+        marked = {}
+        if self.options.dynamic:
+            args, kwargs, marked = self._symbolic_inputs(args, kwargs)
+            named = _named_tensors(self.fn, args, kwargs)
+        step = self._compiled_for(m, (id(m.device_mesh), _shapes(named, marked)), bool(marked))
+        self.plan = None
         out = self._run(m, step, args, kwargs)
         if m.sp_size * m.dp_size > 1 and self.plan is None and torch.is_grad_enabled():
             raise RuntimeError(
@@ -268,15 +297,18 @@ class ShardedStep:
         return out
 
     def explain(self, *args, **kwargs):
-        """The plan of one call, without running the step (see ``autosp.explain``)."""
+        """The plan of one call, without running the step (see ``autosp.explain``): the plan the
+        call's compile makes, at the call's lengths."""
         m = self._prepared(args, kwargs)
 
         def capture(plan):
             raise _PlanCaptured(plan)
 
-        step = self._step(m, on_plan=capture)
+        marked = {}
+        if self.options.dynamic:
+            args, kwargs, marked = self._symbolic_inputs(args, kwargs)
         try:
-            self._run(m, step, args, kwargs)
+            self._run(m, self._step(m, on_plan=capture, dynamic=bool(marked)), args, kwargs)
         except _PlanCaptured as e:
             return e.plan
         finally:

@@ -43,7 +43,7 @@ from torch._functorch import partitioners
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .._context import check_policy
-from .._graph import is_attention, is_attention_backward, op_args, out_bytes
+from .._graph import hint, is_attention, is_attention_backward, op_args, out_bytes
 from ..errors import PlanError
 from ._fsdp import GATHER as _FSDP_GATHER
 from ._fsdp import fsdp_tags
@@ -179,7 +179,7 @@ def _attention_flops(nd: fx.Node) -> float:
     # ring and hybrid attention (``autosp::ring_attention``): this rank's rows against all S keys
     flops = 4.0 * q.shape[0] * q.shape[1] * q.shape[2] * args.get("S", k.shape[2]) * q.shape[3]
     causal = bool(args["is_causal"])
-    return flops * (0.5 if causal else 1.0) * (2.5 if is_attention_backward(nd.target) else 1.0)
+    return hint(flops) * (0.5 if causal else 1.0) * (2.5 if is_attention_backward(nd.target) else 1.0)
 
 
 _MATMULS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1), aten.baddbmm.default: (1, 2)}
@@ -191,7 +191,7 @@ def _flops(nd: fx.Node) -> float:
     if nd.target in _MATMULS:
         i, j = _MATMULS[nd.target]
         a, b = nd.args[i].meta["val"], nd.args[j].meta["val"]
-        return 2.0 * a.numel() * b.shape[-1]
+        return hint(2.0 * a.numel() * b.shape[-1])
     if is_attention(nd.target):
         return _attention_flops(nd)
     return 0.0
@@ -278,7 +278,7 @@ def _attention_merges(fwd: dict[fx.Node, str], kinds: dict[fx.Node, str]) -> set
     would save every block's partial output instead."""
     out: set[fx.Node] = set()
     todo = [
-        (g, g.meta["val"].numel())
+        (g, hint(g.meta["val"].numel()))
         for nd in fwd
         if kinds[nd] == "attention"
         for g in nd.users
@@ -291,7 +291,7 @@ def _attention_merges(fwd: dict[fx.Node, str], kinds: dict[fx.Node, str]) -> set
                 u not in out
                 and kinds.get(u) == "compute"
                 and isinstance(u.meta.get("val"), torch.Tensor)
-                and u.meta["val"].numel() == numel
+                and hint(u.meta["val"].numel()) == numel
             ):
                 out.add(u)
                 todo.append((u, numel))

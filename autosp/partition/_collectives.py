@@ -11,12 +11,14 @@ with split sizes; even ones take the reshape-only paths.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.distributed.tensor.placement_types import Placement
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..propagate._placement import chunks, offsets, redistribute_kind, shard_spec
 
@@ -28,7 +30,9 @@ def _split(shape: list[int], d: int, parts: list[int]) -> list[int]:
 
 
 def _even(cs: list[int]) -> bool:
-    return len(set(cs)) == 1
+    """Equal chunks; symbolic ones are taken as uneven (the padded paths are exact for any length,
+    and reading the remainder would specialise the graph on it)."""
+    return all(statically_known_true(c == cs[0]) for c in cs)
 
 
 def _slice(x: torch.Tensor, d: int, sf: int, n: int, rank: int) -> torch.Tensor:
@@ -41,7 +45,7 @@ def _slice(x: torch.Tensor, d: int, sf: int, n: int, rank: int) -> torch.Tensor:
 
 
 def pad_to(x: torch.Tensor, d: int, size: int) -> torch.Tensor:
-    if x.shape[d] == size:
+    if statically_known_true(x.shape[d] == size):
         return x
     fill = list(x.shape)
     fill[d] = size - x.shape[d]
@@ -101,7 +105,7 @@ def _all_to_all(
         m = list(shape)
         m[a], m[b] = sfa * ca[j], sfb * cb[rank]
         mids.append(m)
-    recv_sizes = [int(torch.Size(m).numel()) for m in mids]
+    recv_sizes = [math.prod(m) for m in mids]
     y = funcol.all_to_all_single(torch.cat(send), recv_sizes, [t.numel() for t in send], group)
     pieces = [p.reshape(_split(m, a, [sfa, ca[j]])) for j, (p, m) in enumerate(zip(y.split(recv_sizes), mids))]
     return torch.cat(pieces, dim=a + 1).reshape(_split(mids[0], a, [sfa * block_a]))

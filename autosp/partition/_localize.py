@@ -87,6 +87,8 @@ class Localizer(fx.Interpreter):
         # the per-rank nodes keep their global node's meta (module stack, forward/backward tag):
         # the checkpointing pass reads it
         with fx.traceback.set_current_meta(nd):
+            if nd.op == "call_function" and nd not in self.plan:  # a size: the global one (symbolic)
+                return nd.meta["val"]
             if nd.op == "call_function":
                 return self.call(
                     nd, [self.redistributed(u, i, q) for (u, i), q in zip(tensor_inputs(nd), self.plan[nd].ins)]

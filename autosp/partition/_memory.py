@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
-from .._graph import op_args
+from .._graph import hint, op_args
 from ._attention import RING, RING_BACKWARD
 
 __all__ = ["MemoryEstimate", "estimate_memory", "graph_peak"]
@@ -62,7 +62,7 @@ def _nbytes(v) -> int:
         n = v.untyped_storage().nbytes()
     except (NotImplementedError, RuntimeError):
         n = v.numel() * v.element_size()
-    return int(n)  # a SymInt after the partitioner's RNG functionalization
+    return hint(n)  # symbolic with a symbolic length, or after the partitioner's RNG functionalization
 
 
 def _aliased_input(nd: fx.Node) -> fx.Node | None:

@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 
 from .._context import SpContext
-from .._graph import is_attention, out_vals, tensor_inputs
+from .._graph import hint, is_attention, out_vals, tensor_inputs
 from ..propagate._placement import P, chunks, local_shape, redistribute_kind, shard_spec
 
 __all__ = ["Tiling", "TileRunner", "plan_tiles", "MIN_TILE_ROWS", "MAX_TILES", "SHAPE_ARG"]
@@ -122,10 +122,31 @@ def _candidate(nd: fx.Node, plan, n: int, rank: int) -> tuple[bool, int | None, 
     return True, d, outs[0][1].shape[d]
 
 
-def plan_tiles(graph: fx.Graph, plan, ctx: SpContext, tiles: int = MAX_TILES) -> Tiling | None:
+def _tile_count(rows, cap: int, symbolic: bool) -> int:
+    """How many tiles of at least ``MIN_TILE_ROWS`` a rank's ``rows`` make, at most ``cap``; with a
+    symbolic length a power of two, read through comparisons: the compile is specialised on the
+    count (a guard per comparison), never on the length, and the counts a run meets stay few."""
+    counts = [t for t in range(cap, 1, -1) if not symbolic or t & (t - 1) == 0]
+    return next((t for t in counts if rows >= t * MIN_TILE_ROWS), 1)
+
+
+def _tile_sizes(rows, tiles: int) -> tuple:
+    """The tiles' lengths: balanced; with a symbolic ``rows``, equal but the last, which takes the
+    rest (no guard on ``rows % tiles``; every tile has rows, since ``rows >= tiles``)."""
+    if isinstance(rows, int):
+        return tuple(chunks(rows, tiles))
+    c = rows // tiles
+    return (c,) * (tiles - 1) + (rows - (tiles - 1) * c,)
+
+
+def plan_tiles(
+    graph: fx.Graph, plan, ctx: SpContext, tiles: int = MAX_TILES, symbolic: dict[fx.Node, fx.Node] | None = None
+) -> Tiling | None:
     """The ops of ``graph`` (solved ``plan``) that run in tiles along the local sequence (the
     most common sharded length): as many as fit ``MIN_TILE_ROWS`` rows each, at most ``tiles``;
-    None when that is fewer than two or nothing can be tiled."""
+    None when that is fewer than two or nothing can be tiled. ``symbolic``: ``graph`` is a
+    hinted copy (``backend._symbolic``) and this maps its nodes to the symbolic graph's, which
+    the tiling is then of (its tile lengths expressions of the symbolic length)."""
     n, rank = ctx.n, ctx.rank
     cand: dict[fx.Node, int | None] = {}
     lengths: dict[fx.Node, int] = {}
@@ -140,16 +161,19 @@ def plan_tiles(graph: fx.Graph, plan, ctx: SpContext, tiles: int = MAX_TILES) ->
     # the sequence: the most common global length of a sharded dim; the number of tiles from
     # the first rank's share (the longest), so that every rank tiles alike
     seq = Counter(lengths.values()).most_common(1)[0][0]
-    tiles = min(tiles, chunks(seq, n)[0] // MIN_TILE_ROWS)
+    if symbolic is not None:
+        first = next(nd for nd, length in lengths.items() if length == seq)
+        seq = next(v for v in out_vals(symbolic[first]) if v is not None).shape[cand[first]]
+    tiles = _tile_count(chunks(seq, n)[0], tiles, symbolic is not None)
     if tiles < 2:
         return None
     rows = chunks(seq, n)[rank]
-    nodes = {nd: d for nd, d in cand.items() if d is None or lengths[nd] == seq}
+    nodes = {nd: d for nd, d in cand.items() if d is None or lengths[nd] == hint(seq)}
 
     def sharded_input(u: fx.Node, i: int, q) -> bool:
         """An untiled input the op reads sequence-sharded, of the tiled length: sliced."""
         spec = _seq_dim(q, out_vals(u)[i].shape, n, rank)
-        return spec is not None and spec[1] == rows
+        return spec is not None and spec[1] == hint(rows)
 
     # every tiled op's sharded input has the tiled length (it is sliced into the same tiles)
     for nd in [nd for nd, d in nodes.items() if d is not None]:
@@ -170,7 +194,9 @@ def plan_tiles(graph: fx.Graph, plan, ctx: SpContext, tiles: int = MAX_TILES) ->
                 changed = True
     if not any(d is not None for d in nodes.values()):
         return None
-    return Tiling(nodes, tuple(chunks(rows, tiles)))
+    if symbolic is not None:
+        nodes = {symbolic[nd]: d for nd, d in nodes.items()}
+    return Tiling(nodes, _tile_sizes(rows, tiles))
 
 
 def _item(v, u: fx.Node, i: int):

@@ -84,9 +84,13 @@ def can_shard(size: int, sf: int, n: int) -> bool:
 
 
 def chunks(block: int, n: int) -> list[int]:
-    """How a block of ``block`` elements splits over ``n`` ranks (balanced)."""
-    q, r = divmod(block, n)
-    return [q + (i < r) for i in range(n)]
+    """How a block of ``block`` elements splits over ``n`` ranks (balanced): rank i holds
+    ``ceil((block - i) / n)``, so the first ``block % n`` ranks hold one more. A symbolic block (a
+    symbolic sequence length) gives symbolic chunks, with no guard on the length or its remainder."""
+    if isinstance(block, int):
+        q, r = divmod(block, n)
+        return [q + (i < r) for i in range(n)]
+    return [(block - i + n - 1) // n for i in range(n)]
 
 
 def offsets(cs: list[int]) -> list[int]:

@@ -1,0 +1,85 @@
+"""Symbolic sequence lengths: one compile serves every length.
+
+``autosp.shard`` captures the step with the sharded (sequence) dims of its inputs dynamic, so the
+joint graph's sizes are expressions of a symbol S (Dynamo's ``s0``, ...). Two halves of the
+backend read it differently:
+
+- **Planning** (propagation, the solver, the plan ``explain`` shows, the tiling choice) runs on
+  ``hinted(joint)``: a copy of the graph with every size at its hint, the length the compile was
+  first called with. Costs are compared at that representative length; the plan does not depend
+  on the length otherwise (its rules read divisibility, which the per-rank graph guards).
+- **The per-rank graph** is traced from the symbolic joint graph: local lengths of the balanced
+  split are ``S // n`` plus one on the first ``S % n`` ranks. The remainder is the one decision
+  the graph is specialised on (a guard on ``S % n``): at most ``n`` compiles, one per remainder,
+  never one per length.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+from .._graph import SYM_TYPES, hint
+
+__all__ = ["is_symbolic", "hinted", "lengths_note"]
+
+
+def _symbolic_value(v) -> bool:
+    if isinstance(v, SYM_TYPES):
+        return True
+    return isinstance(v, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in (*v.shape, *v.stride()))
+
+
+def is_symbolic(gm: fx.GraphModule) -> bool:
+    """Whether any of the graph's values has a symbolic size."""
+    return any(_symbolic_value(v) for nd in gm.graph.nodes for v in tree_leaves(nd.meta.get("val")))
+
+
+def hinted(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
+    """A copy of ``gm`` with every size at its hint (static fake tensors; the symbolic scalars
+    folded into the arguments that read them), and the map from its nodes to ``gm``'s."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, env))
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def concrete(v):
+        if not isinstance(v, torch.Tensor):
+            return hint(v)
+        with mode:
+            return torch.empty_strided(hint(v.shape), hint(v.stride()), dtype=v.dtype, device=v.device)
+
+    scalars = []
+    for old, new in env.items():
+        val = old.meta.get("val")
+        if isinstance(val, SYM_TYPES):
+            scalars.append((new, hint(val)))
+        elif val is not None:
+            new.meta["val"] = tree_map(concrete, val)
+    for new, value in reversed(scalars):
+        for user in list(new.users):
+            user.args = fx.node.map_arg(user.args, lambda a, new=new, value=value: value if a is new else a)
+            user.kwargs = fx.node.map_arg(user.kwargs, lambda a, new=new, value=value: value if a is new else a)
+        graph.erase_node(new)
+    folded = {new for new, _ in scalars}
+    return fx.GraphModule(gm, graph), {new: old for old, new in env.items() if new not in folded}
+
+
+def lengths_note(inputs) -> str:
+    """The plan's note on its lengths: each symbolic size of the inputs, the length it was planned
+    at, and the range of lengths this compile serves (what its guards allow so far)."""
+    seen = {}
+    for t in tree_leaves(inputs):
+        if isinstance(t, torch.Tensor):
+            for size in t.shape:
+                if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                    seen.setdefault(size.node.expr, size)
+    parts = []
+    for sym, size in seen.items():
+        r = size.node.shape_env.var_to_range.get(sym)
+        upper = "" if r is None or not r.upper.is_finite else f" <= {int(r.upper)}"
+        lower = "" if r is None else f"{int(r.lower)} <= "
+        parts.append(f"{sym} = {hint(size)} (this compile serves {lower}{sym}{upper})")
+    return "symbolic sequence length: planned at " + ", ".join(parts)

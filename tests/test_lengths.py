@@ -1,0 +1,83 @@
+"""One compile for every sequence length: the sharded dims are symbolic (``backend._symbolic``),
+so new lengths run on the step already compiled, exact; only a choice the plan makes by the
+length (the number of tiles along the sequence) compiles again, once per choice."""
+
+import random
+import re
+from collections import Counter
+
+import cases
+import pytest
+import torch
+
+import autosp
+from examples.models import Llama, LlamaConfig
+
+
+def _exact(steps):
+    for loss, ref, grad_err in steps:
+        assert abs(loss - ref) <= 1e-5 * abs(ref) and grad_err <= 1e-5, steps
+
+
+def test_two_hundred_distinct_lengths_run_exact_on_one_compile(pools):
+    """200 distinct lengths (odd and even, up and down; Dynamo's recompile limit is 8) run on one
+    compiled graph, every step exact against one device; the 9th, 50th and 200th among them. The
+    work is split: this rank's matmul FLOPs are about half of one device's at the last length."""
+    lengths = random.Random(0).sample(range(9, 209), 200)
+    for r in pools(2).run(cases.many_lengths, "llama", lengths):
+        assert len(r["steps"]) == 200
+        _exact(r["steps"])
+        assert (r["compiled"], r["graphs"], r["log"]) == (1, 1, []), r
+        mine, one = r["flops"]
+        assert mine <= 0.6 * one, r["flops"]
+
+
+def test_static_lengths_compile_once_each_under_the_recompile_limit(pools):
+    """With dynamic=False each new length compiles a step of its own (logged once, with what
+    changed), so the 4th distinct length under a recompile limit of 2 runs, exact, and a length
+    seen before reuses its step."""
+    for r in pools(2).run(cases.many_lengths, "embed", [5, 9, 12, 7, 9], 2, False):
+        _exact(r["steps"])
+        assert (r["compiled"], r["graphs"]) == (4, 4), r
+        assert r["log"] == [
+            f"autosp: new input shapes (ids (1, {a}) -> (1, {b})): compiling the step for them"
+            for a, b in ((5, 9), (9, 12), (12, 7))
+        ], r["log"]
+
+
+def test_the_tile_count_is_the_one_choice_that_recompiles(pools):
+    """Tiled along the sequence (8 rows a tile at least), a symbolic length compiles once per
+    tile count (1, 2, 4 or 8 tiles: rows per rank 15, 20-25, 35-45), not once per length; each
+    call runs the compile for its count, and ``step.plan`` is that compile's."""
+    lengths = [40, 70, 50, 30, 90, 45]
+    for r in pools(2).run(cases.many_lengths, "embed", lengths, 8, True, 8):
+        _exact(r["steps"])
+        assert (r["compiled"], r["graphs"]) == (1, 3), r
+        tiles = [rung.rsplit(", ", 1)[-1] if "tiles" in rung else "untiled" for rung in r["rungs"]]
+        assert tiles == ["2 tiles", "4 tiles", "2 tiles", "untiled", "4 tiles", "2 tiles"], r["rungs"]
+
+
+@pytest.mark.parametrize("L", [93, 96])
+def test_a_symbolic_plan_is_the_static_plan_at_its_length(fake_world, L):
+    """The plan a symbolic compile makes (at the length it is first called with) moves what the
+    static plan moves: the same collectives, each of the same bytes, forward and backward (the
+    solver may put an all-to-all of equal cost on another edge of a view chain: the symbolic graph
+    has its sizes as nodes, so ties break otherwise), and it says the length it was made at."""
+    fake_world(2)
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig())
+    ids = torch.randint(0, 256, (1, L))
+    plans = {}
+    with autosp.mesh(sp=2):
+        for dynamic in (True, False):
+            step = autosp.shard(lambda a, b: model(a, b), compiler="aot_eager", dynamic=dynamic)
+            plans[dynamic] = autosp.explain(step, ids, ids)
+    sym, static = plans[True], plans[False]
+
+    def moved(plan):
+        return Counter((c.kind, c.bytes_per_rank, c.backward) for c in plan.collectives)
+
+    assert moved(sym) == moved(static) and sym.comm_bytes == static.comm_bytes
+    # the symbol, and the lengths the compile serves: below 2 * 1024, untiled (2 tiles of 512)
+    assert any(re.search(rf"planned at s\d+ = {L} \(this compile serves 3 <= s\d+ <= 2046\)", x) for x in sym.notes)
+    assert not any("symbolic" in note for note in static.notes)

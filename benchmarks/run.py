@@ -39,7 +39,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.tables import runs_table
+from benchmarks.lengths import measure_lengths
+from benchmarks.tables import lengths_table, runs_table
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -181,6 +182,9 @@ def _worker(rank: int, world: int, port: int, cfg: dict) -> dict:
             model = Llama(LlamaConfig(**PRESETS[cfg["preset"]])).to(device)
             g = torch.Generator().manual_seed(1)
             ids = torch.randint(0, model.c.vocab, (cfg["batch"], cfg["seq"]), generator=g).to(device)
+            if cfg.get("lengths"):
+                record.update(measure_lengths(model, cfg, lambda prof: _comm_bytes(prof, 4)))
+                return record
             mine = ids.tensor_split(dp)[mesh.dp_rank] if dp > 1 else ids  # this dp replica's batch
             run = SYSTEMS[cfg["system"]](model, mine, mine.clone(), mesh, cfg["compiler"])
             run.model = model
@@ -281,7 +285,8 @@ def run_config(cfg: dict, timeout: float) -> dict:
             rec = dict(base, error=error, traceback=mine.get("traceback") or f"rank {r}:\n{_tail(logs[r])}")
         elif len(by_rank) > 1:
             for k in ("peak_mem_bytes", "held_bytes", "base_mem_bytes"):
-                rec[k] = max(x[k] for x in by_rank.values())
+                if k in rec:
+                    rec[k] = max(x[k] for x in by_rank.values())
     rec["mode"] = (
         "rank-local" if cfg["rank_local"] else ("single-device" if cfg["system"] == "single" else f"{world} ranks")
     )
@@ -346,6 +351,13 @@ def main(argv=None) -> None:
         help="lay sp out as sub-groups of this many ranks (autosp.mesh(ulysses=...)), for hybrid attention",
     )
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds a configuration may take")
+    ap.add_argument(
+        "--lengths",
+        type=int,
+        default=0,
+        help="train this many steps of lengths drawn from an SFT distribution (64-4096 tokens) on one autosp "
+        "step with symbolic lengths, against fixed-length training at the first of --seqs (default 1024)",
+    )
     ap.add_argument("--worker", nargs=2, default=None, help=argparse.SUPPRESS)  # [rank, world, port, cfg], out file
     args = ap.parse_args(argv)
     if args.worker:
@@ -357,36 +369,47 @@ def main(argv=None) -> None:
         os._exit(0)
     seqs = [int(s) for s in args.seqs.split(",")] if args.seqs else ([4096] if args.quick else [1024, 2048, 4096, 8192])
     preset = args.preset or ("tiny" if args.quick else "small")
+    if args.lengths:
+        return _lengths_main(args, int(args.seqs.split(",")[0]) if args.seqs else 1024, preset)
     systems = args.systems.split(",")
     if args.quick:
         systems = [s for s in systems if s != "ulysses_eager"]
-    threads = max(1, (os.cpu_count() or 1) // (1 if args.rank_local else args.sp))
     args.out.mkdir(parents=True, exist_ok=True)
-    records = []
-    for seq in seqs:
-        for system in systems:
-            cfg = dict(
-                system=system,
-                seq=seq,
-                sp=args.sp,
-                preset=preset,
-                device=args.device,
-                compiler=args.compiler,
-                rank_local=args.rank_local,
-                steps=args.steps,
-                warmup=2,
-                batch=args.batch,
-                ulysses=args.ulysses,
-                dp=args.dp,
-                threads=threads if system != "single" else (os.cpu_count() or 1),
-                timeout=args.timeout,
-            )
-            rec = run_config(cfg, timeout=args.timeout)
-            rec.update(preset=preset, device=args.device, compiler=args.compiler)
-            records.append(rec)
-            print(json.dumps({k: v for k, v in rec.items() if k != "traceback"}), flush=True)
-            if rec.get("traceback"):
-                print(rec["traceback"], file=sys.stderr, flush=True)
+    records = [_record(args, system, seq, preset) for seq in seqs for system in systems]
+    _write(args, records, runs_table(records))
+    _plots(records, args.out)
+
+
+def _record(args, system: str, seq: int, preset: str, **extra) -> dict:
+    """One configuration's record (printed as it comes)."""
+    threads = max(1, (os.cpu_count() or 1) // (1 if args.rank_local else args.sp))
+    cfg = dict(
+        system=system,
+        seq=seq,
+        sp=args.sp,
+        preset=preset,
+        device=args.device,
+        compiler=args.compiler,
+        rank_local=args.rank_local,
+        steps=args.steps,
+        warmup=2,
+        batch=args.batch,
+        ulysses=args.ulysses,
+        dp=args.dp,
+        threads=threads if system != "single" else (os.cpu_count() or 1),
+        timeout=args.timeout,
+        **extra,
+    )
+    rec = run_config(cfg, timeout=args.timeout)
+    rec.update(preset=preset, device=args.device, compiler=args.compiler)
+    print(json.dumps({k: v for k, v in rec.items() if k != "traceback"}), flush=True)
+    if rec.get("traceback"):
+        print(rec["traceback"], file=sys.stderr, flush=True)
+    return rec
+
+
+def _write(args, records: list[dict], table: list[str]) -> None:
+    """results.json (with the machine) and results.md in ``--out``; the table printed."""
     machine = {
         "host": platform.node(),
         "cpu_count": os.cpu_count(),
@@ -395,9 +418,15 @@ def main(argv=None) -> None:
         "cuda": torch.cuda.get_device_name() if args.device == "cuda" else None,
     }
     (args.out / "results.json").write_text(json.dumps({"machine": machine, "records": records}, indent=1))
-    (args.out / "results.md").write_text("\n".join(runs_table(records)) + "\n")
-    _plots(records, args.out)
-    print("\n".join(runs_table(records)))
+    (args.out / "results.md").write_text("\n".join(table) + "\n")
+    print("\n".join(table))
+
+
+def _lengths_main(args, seq: int, preset: str) -> None:
+    """``--lengths N``: one record (``benchmarks.lengths``)."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = _record(args, "autosp", seq, preset, lengths=args.lengths)
+    _write(args, [record], lengths_table(record))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-__all__ = ["LABELS", "RUN_COLUMNS", "runs_table", "budget_table"]
+__all__ = ["LABELS", "RUN_COLUMNS", "runs_table", "budget_table", "lengths_table"]
 
 MiB = 2**20
 
@@ -110,3 +110,29 @@ def budget_table(summary: dict) -> list[str]:
         "rung",
     ]
     return _rows(header, rows)
+
+
+def lengths_table(r: dict) -> list[str]:
+    """``benchmarks.run --lengths``: training on drawn lengths against fixed-length training."""
+    if r.get("error"):
+        return [f"error: {r['error']}"]
+    n = r["lengths"]
+    fixed, comm = r["fixed_step_s"], r["fixed_comm_bytes"]
+    rows = [
+        "| training | compiles | compile (s) | steps/s | tokens/s | step at fixed length (s) | comm MiB/step/rank |",
+        "|---|---|---|---|---|---|---|",
+        f"| {n['n']} steps, {n['distinct']} distinct lengths {n['min']}-{n['max']} (median {n['median']:.0f}), "
+        f"symbolic | {r['compiles']} | {r['compile_time_s']:.1f} | {r['steps_per_s']:.2f} | {r['tokens_per_s']:.0f} "
+        "| | |",
+    ]
+    for k, label in (("static", "compiled for the length (dynamic=False)"), ("symbolic", "symbolic")):
+        rows.append(
+            f"| fixed length {r['fixed_seq']}, {label} | | {r['fixed_compile_s'][k]:.1f} | {1 / fixed[k]:.2f} "
+            f"| {r['fixed_seq'] / fixed[k]:.0f} | {fixed[k]:.4f} | {comm[k] / MiB:.2f} |"
+        )
+    return rows + [
+        "",
+        f"Symbolic over static at the fixed length: {r['fixed_ratio']:.3f}x the step time (ratio of medians). "
+        f"Against one device every {r.get('check_every', 20)}th step ({r['checks']} checks): loss within "
+        f"{r['loss_rel_err']:.1e}, gradients within {r['grad_rel_err']:.1e} (relative).",
+    ]

@@ -19,15 +19,18 @@ def _exact(steps):
         assert abs(loss - ref) <= 1e-5 * abs(ref) and grad_err <= 1e-5, steps
 
 
-def test_two_hundred_distinct_lengths_run_exact_on_one_compile(pools):
-    """200 distinct lengths (odd and even, up and down; Dynamo's recompile limit is 8) run on one
-    compiled graph, every step exact against one device; the 9th, 50th and 200th among them. The
-    work is split: this rank's matmul FLOPs are about half of one device's at the last length."""
-    lengths = random.Random(0).sample(range(9, 209), 200)
+def test_two_hundred_distinct_lengths_run_exact_on_two_compiles(pools):
+    """200 distinct lengths (odd and even, up and down; Dynamo's recompile limit is 8) run on two
+    compiled graphs, every step exact against one device; the 9th, 50th and 200th among them.
+    The first length divides by the ranks, so its plan may rely on even shards: its compile is
+    guarded to lengths that divide, and the first that does not compiles the second, which then
+    serves every length. The work is split: this rank's matmul FLOPs are about half of one
+    device's at the last length."""
+    lengths = [96] + random.Random(0).sample([L for L in range(9, 210) if L != 96], 199)
     for r in pools(2).run(cases.many_lengths, "llama", lengths):
-        assert len(r["steps"]) == 200
+        assert len(set(lengths)) == len(r["steps"]) == 200
         _exact(r["steps"])
-        assert (r["compiled"], r["graphs"], r["log"]) == (1, 1, []), r
+        assert (r["compiled"], r["graphs"], r["log"]) == (1, 2, []), r
         mine, one = r["flops"]
         assert mine <= 0.6 * one, r["flops"]
 
@@ -47,9 +50,10 @@ def test_static_lengths_compile_once_each_under_the_recompile_limit(pools):
 
 def test_the_tile_count_is_the_one_choice_that_recompiles(pools):
     """Tiled along the sequence (8 rows a tile at least), a symbolic length compiles once per
-    tile count (1, 2, 4 or 8 tiles: rows per rank 15, 20-25, 35-45), not once per length; each
-    call runs the compile for its count, and ``step.plan`` is that compile's."""
-    lengths = [40, 70, 50, 30, 90, 45]
+    tile count (1, 2, 4 or 8 tiles: rows per rank 15, 21-26, 36-46), not once per length; each
+    call runs the compile for its count, and ``step.plan`` is that compile's. The lengths are odd
+    but the last, which the odd lengths' compile for its count serves."""
+    lengths = [41, 71, 51, 29, 91, 50]
     for r in pools(2).run(cases.many_lengths, "embed", lengths, 8, True, 8):
         _exact(r["steps"])
         assert (r["compiled"], r["graphs"]) == (1, 3), r

@@ -252,11 +252,15 @@ class ShardedStep:
 
     def _run(self, m, step: Callable, args, kwargs):
         fsdp = self._fsdp(m)
-        if fsdp is None:
-            return _unwrap_errors(lambda: step(*args, **kwargs))
-        fsdp.check_sync()
-        with fsdp.hooks_suspended():
-            return _unwrap_errors(lambda: step(*args, **{**kwargs, _SHARDS: fsdp.shards()}))
+        # only the marked dims are symbolic: Dynamo's automatic dynamic shapes would make others so
+        # after a recompile, from a profile it keys by the code's name and line, which every copy
+        # of the step shares (so one step's shapes would make another's batch dim symbolic)
+        with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+            if fsdp is None:
+                return _unwrap_errors(lambda: step(*args, **kwargs))
+            fsdp.check_sync()
+            with fsdp.hooks_suspended():
+                return _unwrap_errors(lambda: step(*args, **{**kwargs, _SHARDS: fsdp.shards()}))
 
     def _mesh(self):
         m = self._current_mesh()

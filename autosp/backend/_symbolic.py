@@ -16,14 +16,17 @@ backend read it differently:
 
 from __future__ import annotations
 
+import sympy
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._sympy.numbers import int_oo
 
-from .._graph import SYM_TYPES, hint
+from .._graph import SYM_TYPES, hint, out_vals, tensor_inputs
+from ..propagate._placement import shard_spec
 
-__all__ = ["is_symbolic", "hinted", "lengths_note"]
+__all__ = ["is_symbolic", "hinted", "lengths_note", "guard_even_shards"]
 
 
 def _symbolic_value(v) -> bool:
@@ -79,7 +82,26 @@ def lengths_note(inputs) -> str:
     parts = []
     for sym, size in seen.items():
         r = size.node.shape_env.var_to_range.get(sym)
-        upper = "" if r is None or not r.upper.is_finite else f" <= {int(r.upper)}"
+        upper = "" if r is None or r.upper in (int_oo, sympy.oo) else f" <= {int(r.upper)}"
         lower = "" if r is None else f"{int(r.lower)} <= "
         parts.append(f"{sym} = {hint(size)} (this compile serves {lower}{sym}{upper})")
     return "symbolic sequence length: planned at " + ", ".join(parts)
+
+
+def guard_even_shards(joint: fx.GraphModule, strategy: dict, n: int) -> None:
+    """Specialise the compile on each divisibility the plan may rely on: for every sharded
+    placement the plan gives a symbolic dim (an output, or what an input is moved to), a hint
+    that divides into ``n`` balanced blocks evenly becomes a guard that it does. Rules may offer
+    strategies for even shards only (DTensor's, hybrid attention); a plan made at an uneven hint
+    holds for even lengths too (the balanced split is then even), so that way needs no guard.
+    At most two compiles follow per tile count: lengths that divide, lengths that do not."""
+    for nd, s in strategy.items():
+        pairs = list(zip(out_vals(nd), s.outs))
+        pairs += [(out_vals(u)[i], q) for (u, i), q in zip(tensor_inputs(nd), s.ins)]
+        for v, p in pairs:
+            spec = shard_spec(p) if v is not None and p is not None else None
+            if spec is None or not isinstance(v.shape[spec[0]], torch.SymInt):
+                continue
+            size, blocks = v.shape[spec[0]], spec[1] * n
+            if hint(size) % blocks == 0:
+                torch._check(size % blocks == 0)

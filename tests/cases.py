@@ -1323,7 +1323,7 @@ def many_lengths(
         "steps": steps,
         "compiled": len(step._compiled),
         "graphs": _compiles() - before,
-        "log": [m for m in lines if "new input shapes" in m],
+        "log": [m for m in lines if "new input shapes" in m or "compiling the step again" in m],
         "rungs": rungs,
         "flops": flops,  # matmul FLOPs at the last length: this rank's, one device's
     }

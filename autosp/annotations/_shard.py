@@ -28,7 +28,8 @@ def shard(fn: Callable | nn.Module | None = None, *, seq: SeqSpec = True, **opti
         beyond parameters and optimizer state: the fastest plan predicted to fit, or an error
         naming the smallest budget that fits), ``attention`` ("auto", or one kernel forced:
         "ulysses", "ring", "kv_gather", "hybrid"; a forced kernel that cannot run an attention op
-        exactly is an error), ``mem_weight``, ``every_rung``.
+        exactly is an error), ``dynamic`` (True: the sequence lengths symbolic, one compile for
+        every length; False: one per length), ``mem_weight``, ``every_rung``, ``check_inputs``.
     Called with full, global tensors (identical on the ranks of an sp group); returns what one
     device would: the global loss on every rank, and after ``backward()`` every parameter's
     ``.grad`` is the single-device gradient on every rank.

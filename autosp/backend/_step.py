@@ -200,14 +200,34 @@ class ShardedStep:
         before = next((k for k in reversed(self._compiled) if k[0] == key[0]), None)
         if before is not None:
             log.warning("autosp: new input shapes (%s): compiling the step for them", _changed(before[1], key[1]))
-        self._compiled[key] = step = self._step(m, dynamic=dynamic)
+        self._compiled[key] = step = self._step(m, dynamic=dynamic, compiled=self._compiled_again(key))
         if len(self._compiled) > MAX_COMPILED:
             self._compiled.popitem(last=False)
         return step
 
-    def _step(self, m, on_plan=None, dynamic: bool = False) -> Callable:
+    def _compiled_again(self, key: tuple) -> Callable:
+        """``on_plan`` of a step's compiles: from the second on (Dynamo compiling the step again for
+        shapes its guards refused: a symbolic step's choice by the length), each logged once, with
+        the guard that failed and the lengths the new compile serves."""
+        plans = []
+
+        def compiled(plan, code) -> None:
+            plans.append(plan)
+            if len(plans) > 1:
+                failed = torch._dynamo.utils.guard_failures.get(code) or ["?"]
+                lengths = [x for x in plan.notes if x.startswith("symbolic sequence length")]
+                log.warning(
+                    "autosp: compiling the step again (Dynamo's guard %s failed)%s",
+                    str(failed[-1]).strip().splitlines()[0],
+                    f"; {lengths[0]}" if lengths else "",
+                )
+
+        return compiled
+
+    def _step(self, m, on_plan=None, dynamic: bool = False, compiled=None) -> Callable:
         """The compiled step; ``on_plan`` is handed each compile's plan (explain), else each call
-        records the plan of the compile it runs; ``dynamic``: the marked dims symbolic."""
+        records the plan of the compile it runs; ``dynamic``: the marked dims symbolic;
+        ``compiled(plan, code)``: called at each compile."""
         fsdp = self._fsdp(m)
 
         def step(*args, **kwargs):
@@ -226,7 +246,9 @@ class ShardedStep:
         if m.sp_size == 1 and m.dp_size == 1 and on_plan is None:
             backend = "inductor" if self.options.compiler == "inductor" else "aot_eager"
         else:
-            backend = make_backend(m, self.options, on_plan, on_run=self._record if on_plan is None else None)
+            if on_plan is None and compiled is not None:
+                on_plan = functools.partial(compiled, code=step.__code__)
+            backend = make_backend(m, self.options, on_plan, on_run=self._record)
         return torch.compile(step, backend=backend, fullgraph=True, dynamic=None if dynamic else False)
 
     def _symbolic_inputs(self, args, kwargs) -> tuple[tuple, dict, dict[int, int]]:

@@ -156,6 +156,7 @@ def trace_plan(
         checkpoint=policy,
         every_rung=True,
         attention=attention,
+        dynamic=False,  # a plan at this length exactly (its fit extrapolates in the length)
     )
     with autosp.mesh(sp=sp, ulysses=ulysses):
         return autosp.explain(step, ids, ids)

@@ -5,7 +5,8 @@ stage reads these, none writes them."""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, fields
+import os
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 __all__ = ["Kernel", "ATTENTION_KERNELS", "ATTENTION_CHOICES", "Options", "SpContext", "check_policy"]
@@ -61,9 +62,9 @@ class Options:
         (planning tools: ``autosp plan``), e.g. ``every_rung=True``.
     check_inputs: check at every step that the ranks of each sp group were called with the same
         inputs (a fingerprint all-gathered over the group), e.g. ``check_inputs=False``.
-    dynamic: capture the step with the sequence lengths symbolic: one compile serves every
-        length with the same remainder modulo sp (at most sp compiles), where False compiles
-        once per length, e.g. ``dynamic=False``.
+    dynamic: capture the step with the sequence lengths symbolic, one compile for every length
+        (True, the default; the environment variable ``AUTOSP_DYNAMIC=0`` makes False the
+        default), or compile once per length (False), e.g. ``dynamic=False``.
     """
 
     compiler: str = "inductor"
@@ -72,7 +73,7 @@ class Options:
     attention: str = "auto"
     every_rung: bool = False
     check_inputs: bool = True
-    dynamic: bool = True
+    dynamic: bool = field(default_factory=lambda: os.environ.get("AUTOSP_DYNAMIC", "1") != "0")
 
     def __post_init__(self):
         if self.compiler not in ("inductor", "aot_eager"):

@@ -12,7 +12,8 @@ A table block in a docs page is
 ``runs`` renders ``benchmarks.run``'s records (``results.json``: one record per system and
 length; ``columns`` from ``RUN_COLUMNS``, ``seq`` and ``systems`` filter them); ``budget``
 renders ``benchmarks.memory``'s summary (the longest sequence each system trains within the
-budget, and step time and peak at a length every system fits).
+budget, and step time and peak at a length every system fits); ``lengths`` renders
+``benchmarks.run --lengths``'s record (drawn lengths against fixed-length training).
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.tables import budget_table, runs_table  # noqa: E402
+from benchmarks.tables import budget_table, lengths_table, runs_table  # noqa: E402
 
 RENDERERS = {
     "runs": lambda results, opts: runs_table(results["records"], opts),
     "budget": lambda results, opts: budget_table(results["summary"]),
+    "lengths": lambda results, opts: lengths_table(results["records"][0]),
 }
 BLOCK = re.compile(r"(<!-- table: (\S+) (\S+)(.*?) -->\n)(.*?)(<!-- end table -->)", re.S)
 

@@ -1268,8 +1268,9 @@ def _compiles() -> int:
 def many_lengths(
     kind: str, lengths: list[int], limit: int = 8, dynamic: bool = True, min_tile_rows: int | None = None
 ) -> dict:
-    """One sharded step of ``kind`` ("embed": an embedding and a projection with its loss; or a
-    model of ``MODELS``) called with each of ``lengths`` under Dynamo's recompile limit ``limit``:
+    """One sharded step of ``kind`` ("embed": an embedding and a projection with its loss; "hf_"
+    and an architecture of ``hf_models``; or a model of ``MODELS``) called with each of
+    ``lengths`` under Dynamo's recompile limit ``limit``:
     (loss, one device's loss, worst gradient error) per call, the compiled steps autosp keeps,
     the graphs Dynamo compiled (its count), autosp's log lines about new shapes, and each call's
     checkpointing rung. ``min_tile_rows``: tile along the sequence from that many rows a tile
@@ -1283,6 +1284,13 @@ def many_lengths(
 
         def fn(m, ids):
             return torch.nn.functional.cross_entropy(m(ids).flatten(0, 1), ids.flatten())
+    elif kind.startswith("hf_"):  # a Hugging Face causal LM ("hf_llama": its sdpa attention) and its loss
+        import hf_models
+
+        model, vocab = hf_models.build(kind[3:], "sdpa"), 128
+
+        def fn(m, ids):
+            return m(input_ids=ids, labels=ids).loss
     else:
         model, vocab = MODELS[kind](), 256
 

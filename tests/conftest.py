@@ -1,6 +1,10 @@
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# most tests plan one length per step: compiled static, they fit the suite's time on 2 cores (a
+# symbolic compile took about twice as long); the tests of symbolic lengths ask for them
+# (``dynamic=True``: tests/test_lengths.py), as does every user by default
+os.environ.setdefault("AUTOSP_DYNAMIC", "0")
 
 import pytest
 import torch

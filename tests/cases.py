@@ -1284,6 +1284,12 @@ def many_lengths(
 
         def fn(m, ids):
             return torch.nn.functional.cross_entropy(m(ids).flatten(0, 1), ids.flatten())
+    elif kind == "embed_shift_logits":  # the loss shifts the logits (length S - 1), not the labels
+        model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64))
+        vocab = 64
+
+        def fn(m, ids):
+            return torch.nn.functional.cross_entropy(m(ids)[:, :-1].reshape(-1, 64), ids[:, 1:].reshape(-1))
     elif kind.startswith("hf_"):  # a Hugging Face causal LM ("hf_llama": its sdpa attention) and its loss
         import hf_models
 

@@ -41,9 +41,10 @@ def test_two_hundred_distinct_lengths_run_exact_on_two_compiles(pools):
         assert mine <= 0.6 * one, r["flops"]
 
 
-@pytest.mark.parametrize("kind", ["gpt", "hf_llama"])
+@pytest.mark.parametrize("kind", ["gpt", "hf_llama", "embed_shift_logits"])
 def test_models_run_exact_at_lengths_up_and_down_on_at_most_two_compiles(pools, kind):
-    """Other models (GPT's pre-shifted labels, a Hugging Face causal LM with its own label shift;
+    """Other models (GPT's pre-shifted labels, a Hugging Face causal LM with its own label shift, a
+    loss that shifts the logits instead, so a length S - 1 is sharded;
     ``hf_qwen2`` and ``llama_gqa`` passed too, left out for the suite's time) over lengths of
     both parities, on 2 ranks: exact at every length, at most two compiles (the first length is
     even), and split by FLOPs."""

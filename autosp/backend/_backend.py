@@ -149,7 +149,7 @@ def make_backend(
         tiling = plan_tiles(planned.graph, choice.strategy, ctx, symbolic=to_joint)
         if to_joint is not None:
             choice = dataclasses.replace(choice, strategy={to_joint[nd]: s for nd, s in choice.strategy.items()})
-            guard_even_shards(joint, choice.strategy, ctx.n)
+            guard_even_shards(choice.strategy, ctx.n)
 
         def per_rank(tiling=None) -> fx.GraphModule:
             local = localize(joint, choice, joint_inputs, ctx, num_fwd_outputs=num_fwd_outputs, tiling=tiling)

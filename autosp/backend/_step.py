@@ -178,9 +178,10 @@ class ShardedStep:
     With ``dynamic=True`` (the default) the sharded dims are symbolic: one compiled step serves
     every length (``backend._symbolic``). Dynamo compiles it again only where the plan makes a
     choice by the length, and then once per choice, not per length: the number of tiles along
-    the sequence (1, 2, 4 or 8). Other shapes (the batch, a dtype) and ``dynamic=False`` compile
-    once per shape: a ``torch.compile`` of its own copy of the step's code each, so new shapes
-    never reach Dynamo's recompile limit; each new one is logged once, with what changed."""
+    the sequence (1, 2, 4 or 8), and lengths that divide by the ranks when the first did. Other
+    shapes (the batch, a dtype) and ``dynamic=False`` compile once per shape: a ``torch.compile``
+    of its own copy of the step's code each, so new shapes never reach Dynamo's recompile limit;
+    each new one is logged once, with what changed."""
 
     def __init__(self, fn: Callable, seq: SeqSpec, options: Options, mesh: Callable[[], Any]):
         self.fn, self.seq, self.options, self._current_mesh = fn, seq, options, mesh
@@ -200,12 +201,12 @@ class ShardedStep:
         before = next((k for k in reversed(self._compiled) if k[0] == key[0]), None)
         if before is not None:
             log.warning("autosp: new input shapes (%s): compiling the step for them", _changed(before[1], key[1]))
-        self._compiled[key] = step = self._step(m, dynamic=dynamic, compiled=self._compiled_again(key))
+        self._compiled[key] = step = self._step(m, dynamic=dynamic, compiled=self._compiled_again())
         if len(self._compiled) > MAX_COMPILED:
             self._compiled.popitem(last=False)
         return step
 
-    def _compiled_again(self, key: tuple) -> Callable:
+    def _compiled_again(self) -> Callable:
         """``on_plan`` of a step's compiles: from the second on (Dynamo compiling the step again for
         shapes its guards refused: a symbolic step's choice by the length), each logged once, with
         the guard that failed and the lengths the new compile serves."""
@@ -305,13 +306,12 @@ class ShardedStep:
 
     def __call__(self, *args, **kwargs):
         m = self._prepared(args, kwargs)
-        named = _named_tensors(self.fn, args, kwargs)
-        if self.options.check_inputs and m.sp_size > 1 and dist.get_backend(m.sp_group) != "fake":
-            check_same_inputs(named, m.device_mesh.mesh.reshape(m.dp_size, -1).tolist())
         marked = {}
         if self.options.dynamic:
             args, kwargs, marked = self._symbolic_inputs(args, kwargs)
-            named = _named_tensors(self.fn, args, kwargs)
+        named = _named_tensors(self.fn, args, kwargs)
+        if self.options.check_inputs and m.sp_size > 1 and dist.get_backend(m.sp_group) != "fake":
+            check_same_inputs(named, m.device_mesh.mesh.reshape(m.dp_size, -1).tolist())
         step = self._compiled_for(m, (id(m.device_mesh), _shapes(named, marked)), bool(marked))
         self.plan = None
         out = self._run(m, step, args, kwargs)

@@ -8,10 +8,11 @@ backend read it differently:
   ``hinted(joint)``: a copy of the graph with every size at its hint, the length the compile was
   first called with. Costs are compared at that representative length; the plan does not depend
   on the length otherwise (its rules read divisibility, which the per-rank graph guards).
-- **The per-rank graph** is traced from the symbolic joint graph: local lengths of the balanced
-  split are ``S // n`` plus one on the first ``S % n`` ranks. The remainder is the one decision
-  the graph is specialised on (a guard on ``S % n``): at most ``n`` compiles, one per remainder,
-  never one per length.
+- **The per-rank graph** is traced from the symbolic joint graph: rank i holds
+  ``ceil((S - i) / n)`` rows, with no guard on S or on ``S % n``. What the compile is
+  specialised on is a choice the plan makes by the length, once per choice: the tile count
+  (``partition._tiling``), and, where the first length divides by the ranks, lengths that
+  divide (``guard_even_shards``).
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def lengths_note(inputs) -> str:
     return "symbolic sequence length: planned at " + ", ".join(parts)
 
 
-def guard_even_shards(joint: fx.GraphModule, strategy: dict, n: int) -> None:
+def guard_even_shards(strategy: dict, n: int) -> None:
     """Specialise the compile on each divisibility the plan may rely on: for every sharded
     placement the plan gives a symbolic dim (an output, or what an input is moved to), a hint
     that divides into ``n`` balanced blocks evenly becomes a guard that it does. Rules may offer

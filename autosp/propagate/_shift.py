@@ -56,14 +56,16 @@ def _bound(i, size: int, default: int) -> int:
     then clamped to the dim."""
     if i is None:
         return default
-    i = int(i)
+    if not isinstance(i, torch.SymInt):
+        i = int(i)
     return min(max(i + size if i < 0 else i, 0), size)
 
 
 def _slice_args(args, ndim: int):
-    """(dim, start, end, step) of a ``slice.Tensor`` call, defaults filled in."""
-    full = list(args) + [0, None, None, 1][len(args) - 1 :]
-    return full[1] % ndim, full[2], full[3], full[4]
+    """(dim, start, end, step) of a ``slice.Tensor`` call's arguments after its input, defaults
+    filled in."""
+    full = list(args) + [0, None, None, 1][len(args) :]
+    return full[0] % ndim, full[1], full[2], full[3]
 
 
 def window_of(node: fx.Node) -> Window | None:
@@ -72,14 +74,15 @@ def window_of(node: fx.Node) -> Window | None:
     op = node.target
     if op is aten.slice.Tensor:
         x = out_vals(node.args[0])[0]
-        dim, start, end, step = _slice_args(node.args, x.ndim)
+        dim, start, end, step = _slice_args(fx.node.map_arg(node.args[1:], lambda a: a.meta["val"]), x.ndim)
         size = x.shape[dim]
         if step not in (None, 1):
             return None
         a = _bound(start, size, 0)
         return Window(dim, size, max(_bound(end, size, size) - a, 0), a)
     if op is aten.slice_backward.default:
-        sizes, dim, start, end, step = node.args[1:6]
+        # a symbolic graph's sizes and bounds are nodes: their values (SymInts, unguarded)
+        sizes, dim, start, end, step = fx.node.map_arg(node.args[1:6], lambda a: a.meta["val"])
         dim %= len(sizes)
         if step != 1:
             return None
@@ -174,7 +177,7 @@ def _window_rule(node: fx.Node, A: Sets, n: int, *, linear: bool) -> list[Strate
 def _moved_dims(node: fx.Node, ndim: int) -> set[int]:
     """The dims a slice, slice gradient or pad that is no window changes."""
     if node.target is aten.slice.Tensor:
-        return {_slice_args(node.args, ndim)[0]}
+        return {_slice_args(node.args[1:], ndim)[0]}
     if node.target is aten.slice_backward.default:
         return {node.args[2] % ndim}
     pad = node.args[1]

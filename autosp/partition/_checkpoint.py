@@ -177,7 +177,10 @@ def _attention_flops(nd: fx.Node) -> float:
     args = op_args(nd)
     q, k = args["query"].meta["val"], args["key"].meta["val"]
     # ring and hybrid attention (``autosp::ring_attention``): this rank's rows against all S keys
-    flops = 4.0 * q.shape[0] * q.shape[1] * q.shape[2] * args.get("S", k.shape[2]) * q.shape[3]
+    # (a node of the graph where the length is symbolic)
+    keys = args.get("S", k.shape[2])
+    keys = keys.meta["val"] if isinstance(keys, fx.Node) else keys
+    flops = 4.0 * q.shape[0] * q.shape[1] * q.shape[2] * keys * q.shape[3]
     causal = bool(args["is_causal"])
     return hint(flops) * (0.5 if causal else 1.0) * (2.5 if is_attention_backward(nd.target) else 1.0)
 

@@ -9,7 +9,8 @@ the steps that compiled, less the median step of those that did not), steps/s an
 all N steps; every ``CHECK_EVERY``-th step the loss and gradients against one device at the same
 parameters (the model's copied into a reference, in the same process); at the fixed length the
 median step time of each compile (interleaved) and the bytes gloo/NCCL sent in one step
-(torch.profiler's collective events).
+(torch.profiler's collective events). Compile times are a first run's: ``run_config`` gives the
+run an empty Inductor cache (a warm one turns most of a compile into cache hits).
 """
 
 from __future__ import annotations

@@ -253,6 +253,8 @@ def run_config(cfg: dict, timeout: float) -> dict:
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
     )
     with tempfile.TemporaryDirectory(prefix="autosp-bench-") as tmp:
+        if cfg.get("lengths"):  # compile times as a first run measures them: Inductor's caches empty
+            env["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tmp) / "inductor")
         out = [Path(tmp) / f"rank{r}.json" for r in range(world)]
         logs = [Path(tmp) / f"rank{r}.log" for r in range(world)]
         procs = []

@@ -110,8 +110,9 @@ def test_a_symbolic_plan_is_the_static_plan_at_its_length(fake_world, L=93):
         return Counter((c.kind, c.bytes_per_rank, c.backward) for c in plan.collectives)
 
     assert moved(sym) == moved(static) and sym.comm_bytes == static.comm_bytes
-    # the symbol, and the lengths the compile serves: below 2 * 1024, untiled (2 tiles of 512)
-    assert any(re.search(rf"planned at s\d+ = {L} \(this compile serves \d <= s\d+ <= 2046\)", x) for x in sym.notes)
+    # the symbol, and the lengths the compile serves: all (its rung, untiled, was taken without
+    # weighing tiled ones, so the tile count is no choice of this compile)
+    assert any(re.search(rf"planned at s\d+ = {L} \(this compile serves \d <= s\d+\)", x) for x in sym.notes), sym.notes
     assert not any("symbolic" in note for note in static.notes)
 
 

@@ -36,7 +36,7 @@ from ..partition import (
     replicate_kv_heads,
 )
 from ..propagate import propagate, solve
-from ._checks import check_same_plan, check_same_schedule, largest_peaks
+from ._checks import any_rank, check_same_plan, check_same_schedule, largest_peaks
 from ._plan import Plan, build_plan
 from ._symbolic import guard_lengths, hinted, is_symbolic, lengths_note
 
@@ -146,7 +146,7 @@ def make_backend(
         choice = _run("solve", solve, planned, candidates, ctx)
         plan = _run("plan", build_plan, planned, choice, ctx.n, tuple(folded))
         check_same_plan(plan, ctx)
-        tiling = plan_tiles(planned.graph, choice.strategy, ctx, symbolic=to_joint)
+        tiling, guard_tiles = plan_tiles(planned.graph, choice.strategy, ctx, symbolic=to_joint)
         if to_joint is not None:
             choice = dataclasses.replace(choice, strategy={to_joint[nd]: s for nd, s in choice.strategy.items()})
             _run("guard lengths", guard_lengths, joint, choice.strategy, ctx)
@@ -156,6 +156,7 @@ def make_backend(
             return gathers_at_first_use(local)
 
         local = _run("localize", per_rank)
+        weighed: list[bool] = []  # whether the checkpointing pass weighed tiled rungs
         fw, bw, ckpt = _run(
             "checkpoint",
             checkpoint_partition,
@@ -167,8 +168,13 @@ def make_backend(
             largest=largest_peaks(ctx),
             tiled=None if tiling is None else lambda: per_rank(tiling),
             tiles=tiling.count if tiling is not None else 1,
+            wants_tiles=lambda: weighed.append(True),
             **kwargs,
         )
+        # a symbolic compile serves the lengths that make its tile count only where the count
+        # weighed in its checkpointing decision (on any rank: all guard alike)
+        if to_joint is not None and any_rank(ctx, "tiles", bool(weighed)):
+            guard_tiles()
         check_same_schedule(fw, bw, ctx)
         notes = plan.notes + ((lengths_note(joint_inputs),) if to_joint is not None else ())
         plan = dataclasses.replace(plan, memory=ckpt.memory, checkpoint=ckpt, notes=notes)

@@ -21,7 +21,7 @@ from ..errors import PlanError
 from ..partition._fsdp import FSDP_OPS
 from ._plan import Plan
 
-__all__ = ["check_same_plan", "check_same_schedule", "largest_peaks"]
+__all__ = ["check_same_plan", "check_same_schedule", "largest_peaks", "any_rank"]
 
 log = logging.getLogger("autosp")
 
@@ -49,6 +49,13 @@ def _exchange(ctx: SpContext, kind: str, value: str) -> list[str] | None:
             "call the sharded step on every rank of the group, with the same arguments",
         ) from e
     return [store.get(r).decode() for r in ranks]
+
+
+def any_rank(ctx: SpContext, kind: str, flag: bool) -> bool:
+    """Whether ``flag`` holds on any sp rank: a decision every rank takes alike (each rank calls
+    this once per compile, at the same point)."""
+    got = _exchange(ctx, kind, "1" if flag else "0")
+    return flag if got is None else "1" in got
 
 
 def largest_peaks(ctx: SpContext):

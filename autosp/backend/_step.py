@@ -178,11 +178,11 @@ class ShardedStep:
     With ``dynamic=True`` (the default) the sharded dims are symbolic: one compiled step serves
     every length (``backend._symbolic``). Dynamo compiles it again only where the plan makes a
     choice by the length, and then once per choice, not per length: the number of tiles along
-    the sequence (1, 2, 4 or 8), and lengths that divide by the ranks where the plan relies on it
-    (``backend._symbolic.guard_lengths``). Other
-    shapes (the batch, a dtype) and ``dynamic=False`` compile once per shape: a ``torch.compile``
-    of its own copy of the step's code each, so new shapes never reach Dynamo's recompile limit;
-    each new one is logged once, with what changed."""
+    the sequence (1, 2, 4 or 8) where the checkpointing pass weighs tiled rungs, and lengths
+    that divide by the ranks where the plan relies on it (``backend._symbolic.guard_lengths``).
+    Other shapes (the batch, a dtype) and ``dynamic=False`` compile once per shape: a
+    ``torch.compile`` of its own copy of the step's code each, so new shapes never reach Dynamo's
+    recompile limit; each new one is logged once, with what changed."""
 
     def __init__(self, fn: Callable, seq: SeqSpec, options: Options, mesh: Callable[[], Any]):
         self.fn, self.seq, self.options, self._current_mesh = fn, seq, options, mesh

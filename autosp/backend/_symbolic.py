@@ -11,8 +11,9 @@ backend read it differently:
 - **The per-rank graph** is traced from the symbolic joint graph: rank i holds
   ``ceil((S - i) / n)`` rows, with no guard on S or on ``S % n``. What the compile is
   specialised on is a choice the plan makes by the length, once per choice: the tile count
-  (``partition._tiling``), and, where the first length divides by the ranks and the plan made
-  at the next length that does not is another, lengths that divide (``guard_lengths``).
+  where the checkpointing pass weighs tiled rungs (``partition._tiling``), and, where the first
+  length divides by the ranks and the plan made at the next length that does not is another,
+  lengths that divide (``guard_lengths``).
 """
 
 from __future__ import annotations

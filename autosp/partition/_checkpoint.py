@@ -473,6 +473,7 @@ def checkpoint_partition(
     largest=None,
     tiled: Callable[[], fx.GraphModule] | None = None,
     tiles: int = 1,
+    wants_tiles: Callable[[], None] | None = None,
     **kwargs,
 ):
     """Partition the per-rank joint graph under ``policy``: (forward, backward, Checkpoint). The
@@ -483,7 +484,8 @@ def checkpoint_partition(
     different peaks, and every rank must take the same decision, or raise the same error.
     ``tiled``: makes the same graph tiled in ``tiles`` along the sequence (``_tiling``); its "full"
     and "full + loss" rungs end the ladder, evaluated when the policy may want less memory than
-    the untiled "full" gives."""
+    the untiled "full" gives. ``wants_tiles``: called where the policy weighs tiled rungs (had
+    the graph tiles or not), the one case in which the tile count matters to the decision."""
     check_policy(policy)
     every_rung = every_rung or isinstance(policy, int)
     ladder = _Ladder.of(gm)
@@ -497,7 +499,10 @@ def checkpoint_partition(
     results, settled = _climb(ladder, rungs, partition, policy, every_rung)
     # the tiled rungs: where the walk reached "full" (a budget or a planning tool: always, and a
     # budget alike on every rank)
-    if tiled is not None and policy != "none" and rungs[-1][0].kind == "full" and (every_rung or not settled):
+    weighs_tiles = policy != "none" and rungs[-1][0].kind == "full" and (every_rung or not settled)
+    if weighs_tiles and wants_tiles is not None:
+        wants_tiles()
+    if tiled is not None and weighs_tiles:
         tiled_ladder = _Ladder.of(tiled(), tiles)
         # the tiles' joins and partial sums count as recompute (views, the tiles' slices, write nothing)
         extra = max(tiled_ladder.written() - ladder.written(), 0.0)

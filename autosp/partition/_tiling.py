@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -122,12 +123,21 @@ def _candidate(nd: fx.Node, plan, n: int, rank: int) -> tuple[bool, int | None, 
     return True, d, outs[0][1].shape[d]
 
 
-def _tile_count(rows, cap: int, symbolic: bool) -> int:
+def _tile_count(rows: int, cap: int, symbolic: bool) -> int:
     """How many tiles of at least ``MIN_TILE_ROWS`` a rank's ``rows`` make, at most ``cap``; with a
-    symbolic length a power of two, read through comparisons: the compile is specialised on the
-    count (a guard per comparison), never on the length, and the counts a run meets stay few."""
+    symbolic length (``rows`` at its hint) a power of two, so the counts a run meets stay few."""
     counts = [t for t in range(cap, 1, -1) if not symbolic or t & (t - 1) == 0]
     return next((t for t in counts if rows >= t * MIN_TILE_ROWS), 1)
+
+
+def _guard_tile_count(rows, tiles: int, cap: int) -> None:
+    """Specialise a symbolic compile on its tile count: guards that the local ``rows`` make
+    ``tiles`` (its lower bound, and the next power of two's), so a length that makes another
+    count compiles again, once per count, never per length."""
+    if tiles > 1:
+        torch._check(rows >= tiles * MIN_TILE_ROWS)
+    if tiles < cap:
+        torch._check(rows < 2 * tiles * MIN_TILE_ROWS)
 
 
 def _tile_sizes(rows, tiles: int) -> tuple:
@@ -141,12 +151,16 @@ def _tile_sizes(rows, tiles: int) -> tuple:
 
 def plan_tiles(
     graph: fx.Graph, plan, ctx: SpContext, tiles: int = MAX_TILES, symbolic: dict[fx.Node, fx.Node] | None = None
-) -> Tiling | None:
+) -> tuple[Tiling | None, Callable[[], None]]:
     """The ops of ``graph`` (solved ``plan``) that run in tiles along the local sequence (the
     most common sharded length): as many as fit ``MIN_TILE_ROWS`` rows each, at most ``tiles``;
     None when that is fewer than two or nothing can be tiled. ``symbolic``: ``graph`` is a
     hinted copy (``backend._symbolic``) and this maps its nodes to the symbolic graph's, which
-    the tiling is then of (its tile lengths expressions of the symbolic length)."""
+    the tiling is then of (its tile lengths expressions of the symbolic length; the count read
+    at the hint). With it, the function that guards the compile on the tile count (a no-op
+    otherwise): for the caller to call where the count matters to the plan (the checkpointing
+    pass weighs tiled rungs), so a compile whose rung is untiled serves every length."""
+    no_guard = lambda: None  # noqa: E731
     n, rank = ctx.n, ctx.rank
     cand: dict[fx.Node, int | None] = {}
     lengths: dict[fx.Node, int] = {}
@@ -157,16 +171,18 @@ def plan_tiles(
             if d is not None:
                 lengths[nd] = length
     if not lengths:
-        return None
+        return None, no_guard
     # the sequence: the most common global length of a sharded dim; the number of tiles from
     # the first rank's share (the longest), so that every rank tiles alike
     seq = Counter(lengths.values()).most_common(1)[0][0]
     if symbolic is not None:
         first = next(nd for nd, length in lengths.items() if length == seq)
         seq = next(v for v in out_vals(symbolic[first]) if v is not None).shape[cand[first]]
-    tiles = _tile_count(chunks(seq, n)[0], tiles, symbolic is not None)
+    longest = chunks(seq, n)[0]  # the first rank's share
+    cap, tiles = tiles, _tile_count(hint(longest), tiles, symbolic is not None)
+    guard = no_guard if symbolic is None else lambda: _guard_tile_count(longest, tiles, cap)
     if tiles < 2:
-        return None
+        return None, guard
     rows = chunks(seq, n)[rank]
     nodes = {nd: d for nd, d in cand.items() if d is None or lengths[nd] == hint(seq)}
 
@@ -193,10 +209,10 @@ def plan_tiles(
                 del nodes[nd]
                 changed = True
     if not any(d is not None for d in nodes.values()):
-        return None
+        return None, no_guard
     if symbolic is not None:
         nodes = {symbolic[nd]: d for nd, d in nodes.items()}
-    return Tiling(nodes, _tile_sizes(rows, tiles))
+    return Tiling(nodes, _tile_sizes(rows, tiles)), guard
 
 
 def _item(v, u: fx.Node, i: int):

@@ -1290,12 +1290,6 @@ def many_lengths(
 
         def fn(m, ids):
             return torch.nn.functional.cross_entropy(m(ids)[:, :-1].reshape(-1, 64), ids[:, 1:].reshape(-1))
-    elif kind == "embed_flat":  # a loss over the flattened output (S * 16 values): even shards only
-        model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 16))
-        vocab = 64
-
-        def fn(m, ids):
-            return torch.nn.functional.mse_loss(m(ids).reshape(-1), m[0](ids).reshape(-1).detach())
     elif kind.startswith("hf_"):  # a Hugging Face causal LM ("hf_llama": its sdpa attention) and its loss
         import hf_models
 

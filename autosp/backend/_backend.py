@@ -38,7 +38,7 @@ from ..partition import (
 from ..propagate import propagate, solve
 from ._checks import any_rank, check_same_plan, check_same_schedule, largest_peaks
 from ._plan import Plan, build_plan
-from ._symbolic import guard_lengths, hinted, is_symbolic, lengths_note
+from ._symbolic import guard_even_shards, hinted, is_symbolic, lengths_note
 
 __all__ = ["make_backend", "DECOMPOSITIONS"]
 
@@ -149,7 +149,7 @@ def make_backend(
         tiling, guard_tiles = plan_tiles(planned.graph, choice.strategy, ctx, symbolic=to_joint)
         if to_joint is not None:
             choice = dataclasses.replace(choice, strategy={to_joint[nd]: s for nd, s in choice.strategy.items()})
-            _run("guard lengths", guard_lengths, joint, choice.strategy, ctx)
+            guard_even_shards(choice.strategy, ctx.n)
 
         def per_rank(tiling=None) -> fx.GraphModule:
             local = localize(joint, choice, joint_inputs, ctx, num_fwd_outputs=num_fwd_outputs, tiling=tiling)

@@ -179,7 +179,7 @@ class ShardedStep:
     every length (``backend._symbolic``). Dynamo compiles it again only where the plan makes a
     choice by the length, and then once per choice, not per length: the number of tiles along
     the sequence (1, 2, 4 or 8) where the checkpointing pass weighs tiled rungs, and lengths
-    that divide by the ranks where the plan relies on it (``backend._symbolic.guard_lengths``).
+    that divide by the ranks when the first did (``backend._symbolic.guard_even_shards``).
     Other shapes (the batch, a dtype) and ``dynamic=False`` compile once per shape: a
     ``torch.compile`` of its own copy of the step's code each, so new shapes never reach Dynamo's
     recompile limit; each new one is logged once, with what changed."""

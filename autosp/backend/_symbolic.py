@@ -12,14 +12,10 @@ backend read it differently:
   ``ceil((S - i) / n)`` rows, with no guard on S or on ``S % n``. What the compile is
   specialised on is a choice the plan makes by the length, once per choice: the tile count
   where the checkpointing pass weighs tiled rungs (``partition._tiling``), and, where the first
-  length divides by the ranks and the plan made at the next length that does not is another,
-  lengths that divide (``guard_lengths``).
+  length divides by the ranks, lengths that divide (``guard_even_shards``).
 """
 
 from __future__ import annotations
-
-import functools
-from collections.abc import Callable, Mapping
 
 import sympy
 import torch
@@ -28,13 +24,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils._sympy.numbers import int_oo
 
-from .._context import SpContext
 from .._graph import SYM_TYPES, hint, out_vals, tensor_inputs
-from ..errors import PlanError
-from ..propagate import propagate, solve
 from ..propagate._placement import shard_spec
 
-__all__ = ["is_symbolic", "hinted", "lengths_note", "guard_lengths"]
+__all__ = ["is_symbolic", "hinted", "lengths_note", "guard_even_shards"]
 
 
 def _symbolic_value(v) -> bool:
@@ -48,24 +41,9 @@ def is_symbolic(gm: fx.GraphModule) -> bool:
     return any(_symbolic_value(v) for nd in gm.graph.nodes for v in tree_leaves(nd.meta.get("val")))
 
 
-def at_lengths(x, at: Mapping):
-    """``x`` (a size, or a sequence of them) with the length symbols of ``at`` at its values and
-    every other symbol at its hint."""
-    if isinstance(x, (list, tuple)):
-        return [at_lengths(a, at) for a in x] if isinstance(x, list) else tuple(at_lengths(a, at) for a in x)
-    if isinstance(x, SYM_TYPES) and x.node.expr.free_symbols & at.keys():
-        expr, env = x.node.expr, x.node.shape_env
-        subs = {s: at[s] if s in at else env.backed_var_to_val.get(s) for s in expr.free_symbols}
-        if None not in subs.values():
-            return x.node.pytype(expr.xreplace(subs))
-    return hint(x)
-
-
-def hinted(gm: fx.GraphModule, at: Mapping | None = None) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
+def hinted(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
     """A copy of ``gm`` with every size at its hint (static fake tensors; the symbolic scalars
-    folded into the arguments that read them), and the map from its nodes to ``gm``'s. ``at``:
-    values for some length symbols instead of their hints (``even_shards_needed``)."""
-    value = hint if not at else functools.partial(at_lengths, at=at)
+    folded into the arguments that read them), and the map from its nodes to ``gm``'s."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     graph.output(graph.graph_copy(gm.graph, env))
@@ -73,21 +51,21 @@ def hinted(gm: fx.GraphModule, at: Mapping | None = None) -> tuple[fx.GraphModul
 
     def concrete(v):
         if not isinstance(v, torch.Tensor):
-            return value(v)
+            return hint(v)
         with mode:
-            return torch.empty_strided(value(v.shape), value(v.stride()), dtype=v.dtype, device=v.device)
+            return torch.empty_strided(hint(v.shape), hint(v.stride()), dtype=v.dtype, device=v.device)
 
     scalars = []
     for old, new in env.items():
         val = old.meta.get("val")
         if isinstance(val, SYM_TYPES):
-            scalars.append((new, value(val)))
+            scalars.append((new, hint(val)))
         elif val is not None:
             new.meta["val"] = tree_map(concrete, val)
-    for new, v in reversed(scalars):
+    for new, value in reversed(scalars):
         for user in list(new.users):
-            user.args = fx.node.map_arg(user.args, lambda a, new=new, v=v: v if a is new else a)
-            user.kwargs = fx.node.map_arg(user.kwargs, lambda a, new=new, v=v: v if a is new else a)
+            user.args = fx.node.map_arg(user.args, lambda a, new=new, value=value: value if a is new else a)
+            user.kwargs = fx.node.map_arg(user.kwargs, lambda a, new=new, value=value: value if a is new else a)
         graph.erase_node(new)
     folded = {new for new, _ in scalars}
     return fx.GraphModule(gm, graph), {new: old for old, new in env.items() if new not in folded}
@@ -111,14 +89,17 @@ def lengths_note(inputs) -> str:
     return "symbolic sequence length: planned at " + ", ".join(parts)
 
 
-def even_shards(strategy: dict, n: int, value: Callable = hint) -> list[tuple[torch.SymInt, int]]:
-    """The divisibilities a plan may rely on: for every sharded placement ``strategy`` gives a
-    symbolic dim (an output, or what an input is moved to), (its size, the blocks it splits into)
-    where that size, read by ``value`` (at its hint), divides into the ``n`` balanced blocks
-    evenly. Rules may offer strategies for even shards only (DTensor's, hybrid attention); a plan
-    made where no symbolic shard divides holds for every length (the balanced split of any
-    length is one its rules planned)."""
-    out = []
+def guard_even_shards(strategy: dict, n: int) -> None:
+    """Specialise the compile on each divisibility the plan may rely on: for every sharded
+    placement the plan gives a symbolic dim (an output, or what an input is moved to), a hint
+    that divides into ``n`` balanced blocks evenly becomes a guard that it does. Rules may offer
+    strategies for even shards only (DTensor's, hybrid attention); a plan made at an uneven hint
+    holds for even lengths too (the balanced split is then even), so that way needs no guard.
+    The guard also lets the per-rank graph know its shards are even (the fast paths: no padded
+    gathers). Dropping it where the plan at an uneven length was the same, as tried, changed the
+    main job's per-rank graph at 4096 tokens: its "auto" rung went from "recompute <= 80 flop/B"
+    (39.9 MiB predicted) to "recompute <= 16 flop/B" (58.8 MiB; 61.0 MiB measured, against 43.0).
+    At most two compiles follow per tile count: lengths that divide, lengths that do not."""
     for nd, s in strategy.items():
         pairs = list(zip(out_vals(nd), s.outs))
         pairs += [(out_vals(u)[i], q) for (u, i), q in zip(tensor_inputs(nd), s.ins)]
@@ -127,55 +108,5 @@ def even_shards(strategy: dict, n: int, value: Callable = hint) -> list[tuple[to
             if spec is None or not isinstance(v.shape[spec[0]], torch.SymInt):
                 continue
             size, blocks = v.shape[spec[0]], spec[1] * n
-            if value(size) % blocks == 0:
-                out.append((size, blocks))
-    return out
-
-
-def uneven_lengths(evens: list[tuple[torch.SymInt, int]], tries: int = 8) -> dict | None:
-    """Values for the length symbols of ``evens``' sizes near their hints at which none of them
-    divides into its blocks (the next length up, or the one after, ...); None if no such length
-    is within ``tries`` (two sharded sizes of opposite parity, S and S - 1, over 2 ranks)."""
-    env = evens[0][0].node.shape_env
-    syms = {s for size, _ in evens for s in size.node.expr.free_symbols}
-    if not syms <= env.backed_var_to_val.keys():
-        return None
-    for k in range(1, tries + 1):
-        at = {s: int(env.backed_var_to_val[s]) + k for s in syms}
-        if all(at_lengths(size, at) % blocks for size, blocks in evens):
-            return at
-    return None
-
-
-def guard_even_shards(evens: list[tuple[torch.SymInt, int]]) -> None:
-    """Specialise the compile on each divisibility of ``evens`` (``even_shards``): a guard that
-    the size divides into its blocks, so lengths that do not compile once more (with a plan for
-    them). At most two compiles follow per tile count: lengths that divide, lengths that do not."""
-    for size, blocks in evens:
-        torch._check(size % blocks == 0)
-
-
-def _placed(strategy: dict) -> dict:
-    """A strategy's placements and kernels (not its costs, which read the length)."""
-    return {nd: (s.outs, s.ins, s.introduces, s.kernel) for nd, s in strategy.items()}
-
-
-def guard_lengths(joint: fx.GraphModule, strategy: dict, ctx: SpContext) -> None:
-    """Guard a symbolic compile to lengths that divide where its plan (``strategy``, of ``joint``,
-    made at the hint) may rely on even shards, unless the plan made at a length that does not
-    divide (``uneven_lengths``) is the same: then it serves every length, and the compile too."""
-    evens = even_shards(strategy, ctx.n)
-    if not evens:
-        return
-    at = uneven_lengths(evens)
-    if at is not None:
-        other, to_joint = hinted(joint, at)
-        try:
-            alt = solve(other, propagate(other, ctx), ctx)
-        except PlanError:  # lengths that do not divide have no plan: the guard keeps them apart
-            alt = None
-        if alt is not None:
-            alt = {to_joint[nd]: s for nd, s in alt.strategy.items()}
-            if _placed(alt) == _placed(strategy) and not even_shards(alt, ctx.n, functools.partial(at_lengths, at=at)):
-                return
-    guard_even_shards(evens)
+            if hint(size) % blocks == 0:
+                torch._check(size % blocks == 0)

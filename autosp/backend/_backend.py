@@ -156,7 +156,6 @@ def make_backend(
             return gathers_at_first_use(local)
 
         local = _run("localize", per_rank)
-        weighed: list[bool] = []  # whether the checkpointing pass weighed tiled rungs
         fw, bw, ckpt = _run(
             "checkpoint",
             checkpoint_partition,
@@ -168,12 +167,11 @@ def make_backend(
             largest=largest_peaks(ctx),
             tiled=None if tiling is None else lambda: per_rank(tiling),
             tiles=tiling.count if tiling is not None else 1,
-            wants_tiles=lambda: weighed.append(True),
             **kwargs,
         )
         # a symbolic compile serves the lengths that make its tile count only where the count
         # weighed in its checkpointing decision (on any rank: all guard alike)
-        if to_joint is not None and any_rank(ctx, "tiles", bool(weighed)):
+        if to_joint is not None and any_rank(ctx, "tiles", ckpt.weighs_tiles):
             guard_tiles()
         check_same_schedule(fw, bw, ctx)
         notes = plan.notes + ((lengths_note(joint_inputs),) if to_joint is not None else ())

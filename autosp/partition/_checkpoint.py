@@ -117,12 +117,14 @@ class Rung:
 
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
-    """The checkpointing decision of one compile: the policy asked for, the rung taken, and
-    every rung evaluated."""
+    """The checkpointing decision of one compile: the policy asked for, the rung taken, every
+    rung evaluated, and whether the policy weighed tiled rungs (had the graph tiles or not: the
+    one case in which the tile count matters to the decision)."""
 
     policy: str
     rung: Rung
     rungs: tuple[Rung, ...]
+    weighs_tiles: bool = False
 
     @property
     def chosen(self) -> str:
@@ -473,7 +475,6 @@ def checkpoint_partition(
     largest=None,
     tiled: Callable[[], fx.GraphModule] | None = None,
     tiles: int = 1,
-    wants_tiles: Callable[[], None] | None = None,
     **kwargs,
 ):
     """Partition the per-rank joint graph under ``policy``: (forward, backward, Checkpoint). The
@@ -484,8 +485,7 @@ def checkpoint_partition(
     different peaks, and every rank must take the same decision, or raise the same error.
     ``tiled``: makes the same graph tiled in ``tiles`` along the sequence (``_tiling``); its "full"
     and "full + loss" rungs end the ladder, evaluated when the policy may want less memory than
-    the untiled "full" gives. ``wants_tiles``: called where the policy weighs tiled rungs (had
-    the graph tiles or not), the one case in which the tile count matters to the decision."""
+    the untiled "full" gives."""
     check_policy(policy)
     every_rung = every_rung or isinstance(policy, int)
     ladder = _Ladder.of(gm)
@@ -500,8 +500,6 @@ def checkpoint_partition(
     # the tiled rungs: where the walk reached "full" (a budget or a planning tool: always, and a
     # budget alike on every rank)
     weighs_tiles = policy != "none" and rungs[-1][0].kind == "full" and (every_rung or not settled)
-    if weighs_tiles and wants_tiles is not None:
-        wants_tiles()
     if tiled is not None and weighs_tiles:
         tiled_ladder = _Ladder.of(tiled(), tiles)
         # the tiles' joins and partial sums count as recompute (views, the tiles' slices, write nothing)
@@ -513,4 +511,5 @@ def checkpoint_partition(
     peaks = [r.memory.peak for r in evaluated]
     rung = select(policy, evaluated, largest(peaks) if largest is not None and isinstance(policy, int) else peaks)
     _, fw, bw = next(r for r in results if r[0] is rung)
-    return fw, bw, Checkpoint(f"{policy} bytes" if isinstance(policy, int) else policy, rung, tuple(evaluated))
+    name = f"{policy} bytes" if isinstance(policy, int) else policy
+    return fw, bw, Checkpoint(name, rung, tuple(evaluated), weighs_tiles)

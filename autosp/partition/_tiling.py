@@ -132,12 +132,16 @@ def _tile_count(rows: int, cap: int, symbolic: bool) -> int:
 
 def _guard_tile_count(rows, tiles: int, cap: int) -> None:
     """Specialise a symbolic compile on its tile count: guards that the local ``rows`` make
-    ``tiles`` (its lower bound, and the next power of two's), so a length that makes another
-    count compiles again, once per count, never per length."""
+    ``tiles`` (its lower bound, and the next power of two's where that is within ``cap``), so a
+    length that makes another count compiles again, once per count, never per length."""
     if tiles > 1:
         torch._check(rows >= tiles * MIN_TILE_ROWS)
-    if tiles < cap:
+    if 2 * tiles <= cap:
         torch._check(rows < 2 * tiles * MIN_TILE_ROWS)
+
+
+def _no_guard() -> None:
+    """A static compile's tile-count guard: none (its length is fixed)."""
 
 
 def _tile_sizes(rows, tiles: int) -> tuple:
@@ -160,7 +164,6 @@ def plan_tiles(
     at the hint). With it, the function that guards the compile on the tile count (a no-op
     otherwise): for the caller to call where the count matters to the plan (the checkpointing
     pass weighs tiled rungs), so a compile whose rung is untiled serves every length."""
-    no_guard = lambda: None  # noqa: E731
     n, rank = ctx.n, ctx.rank
     cand: dict[fx.Node, int | None] = {}
     lengths: dict[fx.Node, int] = {}
@@ -171,7 +174,7 @@ def plan_tiles(
             if d is not None:
                 lengths[nd] = length
     if not lengths:
-        return None, no_guard
+        return None, _no_guard
     # the sequence: the most common global length of a sharded dim; the number of tiles from
     # the first rank's share (the longest), so that every rank tiles alike
     seq = Counter(lengths.values()).most_common(1)[0][0]
@@ -180,7 +183,7 @@ def plan_tiles(
         seq = next(v for v in out_vals(symbolic[first]) if v is not None).shape[cand[first]]
     longest = chunks(seq, n)[0]  # the first rank's share
     cap, tiles = tiles, _tile_count(hint(longest), tiles, symbolic is not None)
-    guard = no_guard if symbolic is None else lambda: _guard_tile_count(longest, tiles, cap)
+    guard = _no_guard if symbolic is None else lambda: _guard_tile_count(longest, tiles, cap)
     if tiles < 2:
         return None, guard
     rows = chunks(seq, n)[rank]
@@ -209,7 +212,7 @@ def plan_tiles(
                 del nodes[nd]
                 changed = True
     if not any(d is not None for d in nodes.values()):
-        return None, no_guard
+        return None, _no_guard
     if symbolic is not None:
         nodes = {symbolic[nd]: d for nd, d in nodes.items()}
     return Tiling(nodes, _tile_sizes(rows, tiles)), guard

@@ -637,11 +637,12 @@ def _hf_compare(model, ref, ids: torch.Tensor, labels: torch.Tensor, attention: 
     return {"loss": (loss.item(), loss_ref.item()), "grad_err": err, "kinds": kinds, "flops": flops}
 
 
-def hf_exactness(arch: str, attn: str, b: int, L: int, generic: bool = False) -> dict:
-    """A Hugging Face causal LM, unmodified, with the loss it computes from ``labels``."""
+def hf_exactness(arch: str, attn: str, b: int, L: int, generic: bool = False, experts: str | None = None) -> dict:
+    """A Hugging Face causal LM, unmodified, with the loss it computes from ``labels`` (``experts``:
+    a mixture-of-experts model's experts implementation)."""
     import hf_models
 
-    model = (hf_models.build_generic if generic else hf_models.build)(arch, attn)
+    model = hf_models.build_generic(arch, attn, experts) if generic else hf_models.build(arch, attn)
     ref = copy.deepcopy(model)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 128, (b, L), generator=g)
@@ -1293,7 +1294,9 @@ def many_lengths(
     elif kind.startswith("hf_"):  # a Hugging Face causal LM ("hf_llama": its sdpa attention) and its loss
         import hf_models
 
-        model, vocab = hf_models.build(kind[3:], "sdpa"), 128
+        arch = kind[3:]
+        model = (hf_models.build if arch in hf_models.configs() else hf_models.build_generic)(arch, "sdpa")
+        vocab = 128
 
         def fn(m, ids):
             return m(input_ids=ids, labels=ids).loss

@@ -85,12 +85,9 @@ MORE = [
     ("gemma2", "eager"),
     ("bloom", "eager"),
     ("falcon", "eager"),
-    ("mixtral", "sdpa"),
-    ("olmoe", "sdpa"),
     ("gpt_bigcode", "sdpa"),
     ("persimmon", "sdpa"),
     ("nemotron", "sdpa"),
-    ("qwen2_moe", "sdpa"),
 ]
 _TINY = dict(
     hidden_size=64,
@@ -110,7 +107,8 @@ _TINY = dict(
 )
 
 
-def build_generic(model_type: str, attn: str):
+def build_generic(model_type: str, attn: str, experts: str | None = None):
+    """``experts``: a mixture-of-experts model's experts implementation (HF's default if None)."""
     import torch
     import transformers as T
 
@@ -123,6 +121,7 @@ def build_generic(model_type: str, attn: str):
             with contextlib.suppress(AttributeError, ValueError, TypeError):
                 setattr(cfg, k, 0.0)
     torch.manual_seed(0)
-    model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
+    kw = {} if experts is None else dict(experts_implementation=experts)
+    model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, **kw)
     model.loss_type = "ForCausalLM"
     return model

@@ -21,6 +21,7 @@ from .._context import Options
 from ..errors import GraphBreakError, PlanError, RecompileLimitError, collective_error, user_frame
 from ..propagate._annotate import annotate_placement
 from ._backend import make_backend
+from ._experts import capture_hf_experts
 from ._fsdp import FsdpParams, find_fsdp
 from ._inputs import check_same_inputs
 
@@ -251,6 +252,7 @@ class ShardedStep:
             if on_plan is None and compiled is not None:
                 on_plan = functools.partial(compiled, code=step.__code__)
             backend = make_backend(m, self.options, on_plan, on_run=self._record)
+            capture_hf_experts()
         return torch.compile(step, backend=backend, fullgraph=True, dynamic=None if dynamic else False)
 
     def _symbolic_inputs(self, args, kwargs) -> tuple[tuple, dict, dict[int, int]]:

@@ -1,8 +1,10 @@
 """Propagation: the sharding rules, the candidates of every node, the whole-graph solver, and
-placement helpers. Importing it registers every rule (``_rules``, ``_attention``, ``_shift``, ``_annotate``)."""
+placement helpers. Importing it registers every rule (``_rules``, ``_attention``, ``_shift``, ``_annotate``,
+``_local``)."""
 
 from ._annotate import ANNOTATE
 from ._attention import attention_notes, hybrid_bytes, ring_bytes
+from ._local import TOKEN_LOCAL, TOKEN_LOCAL_BACKWARD
 from ._placement import local_shape, parse_placement, placement_str, redistribute_kind, transfer_bytes
 from ._propagate import Candidates, propagate
 from ._rules import strategies_for
@@ -12,6 +14,8 @@ from ._strategy import RULES, Strategy, rule
 
 __all__ = [
     "ANNOTATE",
+    "TOKEN_LOCAL",
+    "TOKEN_LOCAL_BACKWARD",
     "RULES",
     "Strategy",
     "rule",

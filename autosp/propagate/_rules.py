@@ -21,7 +21,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial
 
 from .._context import Kernel
-from .._graph import nbytes, out_vals, tensor_inputs
+from .._graph import nbytes, op_args, out_vals, tensor_inputs
 from ._dtensor import dtensor_strategies
 from ._placement import P, R, can_shard, is_even, shard, shard_spec
 from ._placement import shard_specs as _shards
@@ -571,6 +571,14 @@ def _scatter(node, A, n):
             p = shard(d, sf)
             res.append(Strategy((p,), (p,) + (R,) * (k - 1), kernel=Kernel.OWN_ROWS, introduces=selection))
     return _dedup(res)
+
+
+@rule(aten.topk.default, aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable)
+def _along_dim(node, A, n):
+    """An ordering or a top-k along one dim (a router's experts for each token): sharded along any
+    other dim, strided shards of a flattened batch included (DTensor's strategies have none);
+    never along its own, which it reads whole."""
+    return _elementwise(node, A, n, blocked_out=[op_args(node)["dim"]])
 
 
 _SELECTIONS = (aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default)

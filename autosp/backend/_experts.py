@@ -1,0 +1,62 @@
+"""Hugging Face's mixture-of-experts layers, captured as token-local ops (``propagate._local``).
+
+Every HF MoE model's experts module (Mixtral, Qwen2/3-MoE, OLMoE, GPT-OSS, DeepSeek-V3, ...,
+classes decorated with ``transformers.integrations.moe.use_experts_implementation``) dispatches
+through ``ExpertsInterface.get_interface`` to one implementation, "eager", "grouped_mm" or
+"batched_mm", each ``(hidden_states, top_k_index, top_k_weights) -> hidden_states``, (tokens, ...)
+each, and each token's output its own top-k experts' weighted sum. That contract is what makes the
+layer token-local; autosp trusts it of HF's own implementations only. Under autosp's capture the
+call becomes ``autosp::token_local``, so each rank routes and computes its own tokens. A function
+registered under another name (``ExpertsInterface.register``) is HF's to dispatch and autosp's
+to plan op by op, as any code: it might drop tokens over a capacity, which depends on the others.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import torch
+
+from ..propagate._local import register
+
+__all__ = ["capture_hf_experts"]
+
+_ORIGINAL = []  # ExpertsInterface.get_interface, once replaced
+
+
+def capture_hf_experts() -> None:
+    """Make HF's experts implementations token-local ops under compile (once per process; a no-op
+    without transformers loaded)."""
+    moe = sys.modules.get("transformers.integrations.moe")
+    if moe is None or _ORIGINAL:
+        return
+    cls = moe.ExpertsInterface
+    _ORIGINAL.append(cls.get_interface)
+    builtin = {id(f) for f in cls._global_mapping.values()}
+
+    def get_interface(self, experts_implementation, default):
+        impl = _ORIGINAL[0](self, experts_implementation, default)
+        if id(impl) not in builtin and impl is not default:
+            return impl
+        return functools.partial(_experts_forward, impl)
+
+    cls.get_interface = get_interface
+
+
+def _experts_forward(impl, module, hidden_states, *args, **kwargs):
+    if kwargs or len(args) != 2 or hidden_states.ndim != 2 or not torch.compiler.is_compiling():
+        return impl(module, hidden_states, *args, **kwargs)
+    return torch.ops.autosp.token_local(_key(module, impl), 3, [hidden_states, *args, *module.parameters()])
+
+
+@torch._dynamo.assume_constant_result
+def _key(module, impl) -> int:
+    """The op's key for ``impl`` on ``module`` (evaluated while Dynamo traces; a constant in the graph)."""
+    return register(functools.partial(_run, module, impl), (module, impl))
+
+
+def _run(module, impl, hidden_states, top_k_index, top_k_weights, *params):
+    # through the module's forward, outside compile: HF's dispatch picks ``impl`` again
+    names = [name for name, _ in module.named_parameters()]
+    return torch.func.functional_call(module, dict(zip(names, params)), (hidden_states, top_k_index, top_k_weights))

@@ -1,0 +1,137 @@
+"""``autosp::token_local``: a function that maps each token's row to its own output row, run as
+one op, on each rank's own tokens; its backward, and their rules.
+
+A mixture-of-experts layer dispatches tokens to experts by sorting, indexing and scattering over
+all tokens, and each token's result is its own experts' output: the layer is token-local as a
+whole, but none of its ops is. As one op, it runs on each rank's rows as is, with the sort, the
+grouped matmuls and the scatter back all on the rank's own tokens.
+
+The op's tensors are ``rows`` token tensors (dim 0 indexes tokens, the same tokens in each, as
+``(hidden_states, top_k_index, top_k_weights)``), then the function's parameters; its output is a
+token tensor like the first. The backward runs the function again on the same rows and takes its
+vector-Jacobian product (``torch.autograd.grad``): a token's input gradient is its own, and a
+parameter's gradient is each rank's tokens' part of the sum (``Partial``). The function runs twice
+per step (forward, and again in the backward): its activations are never kept, as with
+checkpointing. Which functions become this op: ``annotations._local``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ._placement import P, R, shard
+from ._placement import shard_specs as _shards
+from ._strategy import Strategy, rule
+
+__all__ = ["TOKEN_LOCAL", "TOKEN_LOCAL_BACKWARD", "register", "token_local"]
+
+# key -> the function the op runs; filled at capture, read by the op on every call of the step
+_FUNCTIONS: dict[int, Callable[..., torch.Tensor]] = {}
+_KEYS: dict[tuple, int] = {}
+
+
+def register(fn: Callable[..., torch.Tensor], identity: tuple) -> int:
+    """The op's key for ``fn``; the same ``identity`` (what makes two calls one function: a module
+    and its implementation) always gets the same key, so a step captured again reuses it."""
+    key = _KEYS.get(identity)
+    if key is None:
+        key = _KEYS[identity] = len(_FUNCTIONS)
+        _FUNCTIONS[key] = fn
+    return key
+
+
+@torch.library.custom_op("autosp::token_local", mutates_args=())
+def token_local_op(key: int, rows: int, tensors: list[torch.Tensor]) -> torch.Tensor:
+    with torch.no_grad():
+        out = _FUNCTIONS[key](*tensors)
+    ptr = out.untyped_storage().data_ptr()
+    return out.clone() if any(ptr == t.untyped_storage().data_ptr() for t in tensors) else out
+
+
+@token_local_op.register_fake
+def _(key, rows, tensors):
+    return torch.empty_like(tensors[0])
+
+
+@torch.library.custom_op("autosp::token_local_backward", mutates_args=())
+def token_local_backward_op(
+    key: int, rows: int, grad: torch.Tensor, tensors: list[torch.Tensor], need: list[bool]
+) -> list[torch.Tensor]:
+    """The gradients of the ``need``-ed tensors, in order."""
+    wrt = [t for t, w in zip(tensors, need) if w]
+
+    def f(*ws):
+        it = iter(ws)
+        return _FUNCTIONS[key](*(next(it) if w else t for t, w in zip(tensors, need)))
+
+    # an op's kernel runs below autograd: torch.func's vjp is a transform of its own
+    _, vjp = torch.func.vjp(f, *wrt)
+    return list(vjp(grad))
+
+
+@token_local_backward_op.register_fake
+def _(key, rows, grad, tensors, need):
+    return [torch.empty_like(t) for t, w in zip(tensors, need) if w]
+
+
+def _setup(ctx, inputs, output):
+    ctx.key, ctx.rows = inputs[0], inputs[1]
+    ctx.need = [t.requires_grad and t.is_floating_point() for t in inputs[2]]
+    ctx.save_for_backward(*inputs[2])
+
+
+def _backward(ctx, grad):
+    grads = iter(torch.ops.autosp.token_local_backward(ctx.key, ctx.rows, grad, list(ctx.saved_tensors), ctx.need))
+    return None, None, [next(grads) if w else None for w in ctx.need]
+
+
+token_local_op.register_autograd(_backward, setup_context=_setup)
+
+TOKEN_LOCAL = torch.ops.autosp.token_local.default
+TOKEN_LOCAL_BACKWARD = torch.ops.autosp.token_local_backward.default
+
+
+def token_local(fn: Callable[..., torch.Tensor], identity: tuple, rows: list[torch.Tensor], params: list[torch.Tensor]):
+    """``fn(*rows, *params)`` as one token-local op."""
+    return torch.ops.autosp.token_local(register(fn, identity), len(rows), [*rows, *params])
+
+
+def _row_shards(A, rows: range) -> list[tuple[int, int]]:
+    """The shardings of dim 0 every token tensor can take (with its split factor: a flattened
+    batch of sequences, ``_S(0, b)``, is as good: any rows are a rank's own)."""
+    common = None
+    for j in rows:
+        specs = {(d, sf) for d, sf in _shards(A[j]) if d == 0}
+        common = specs if common is None else common & specs
+    return sorted(common or ())
+
+
+# Once the tokens reach the op sharded, it runs on them sharded only: replicated, every rank would
+# run every expert on every token and hold every token's activations, which the solver, counting
+# bytes sent and not FLOPs, may take for cheaper where the expert weights' gradients outweigh a
+# short test length's activations (OLMoE's 64 experts at 48 tokens did).
+
+
+@rule(TOKEN_LOCAL)
+def _token_local(node, A, n):
+    rows, k = node.args[1], len(node.args[2])
+    res = []
+    for _, sf in _row_shards(A, range(rows)):
+        p = shard(0, sf)
+        res.append(Strategy((p,), (p,) * rows + (R,) * (k - rows)))
+    return res or [Strategy((R,), (R,) * k)]
+
+
+@rule(TOKEN_LOCAL_BACKWARD)
+def _token_local_backward(node, A, n):
+    """Inputs (grad, *tensors): the gradient and the token tensors as the forward's output and
+    rows; outputs: a token tensor's gradient its rows, a parameter's a partial sum."""
+    rows, k, need = node.args[1], len(node.args[3]), node.args[4]
+    res = []
+    for _, sf in _row_shards(A, range(rows + 1)):
+        p = shard(0, sf)
+        outs = tuple(p if j < rows else P for j, w in enumerate(need) if w)
+        res.append(Strategy(outs, (p,) * (rows + 1) + (R,) * (k - rows)))
+    return res or [Strategy((R,) * sum(need), (R,) * (k + 1))]

@@ -60,6 +60,45 @@ def test_hf_moe_each_rank_routes_and_computes_its_own_tokens(pools, arch, world,
         assert r["kinds"] == [*sinks, "all_reduce", "all_to_all"], r["kinds"]
 
 
+def _moe_plan(world: int, experts: str | None = None, L: int = 256):
+    import torch
+
+    import autosp
+
+    model = hf_models.build_generic("mixtral", "sdpa", experts)
+    ids = torch.randint(0, 128, (1, L))
+    with autosp.mesh(sp=world):
+        step = autosp.shard(lambda ids: model(input_ids=ids, labels=ids).loss, compiler="aot_eager", checkpoint="none")
+        return autosp.explain(step, ids)
+
+
+def test_hf_moe_experts_activations_split_and_an_unknown_implementation_is_planned_op_by_op(fake_world):
+    """Plans on a fake process group. HF's experts run as ``autosp::token_local`` on each rank's
+    rows, so the activations a rank keeps halve from 2 ranks to 4 (the experts' own are never
+    kept: their backward runs them again), but for one: the (L, L) float causal mask HF builds
+    under compile (Mixtral's sliding window; Llama's too, found here), whole on every rank and kept
+    for the backward, 4 L^2 bytes, a finding this pins. A function registered under another name (it might
+    drop tokens over a capacity: HF's contract is not trusted of it) is planned op by op: exact,
+    but the dispatch gathers every token, and ``explain`` names the sort that forces it."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_experts_forward
+
+    saved = {}
+    for world in (2, 4):
+        fake_world(world)
+        plan = _moe_plan(world)
+        ops = sorted(p for name, p in plan.placements.items() if name.startswith("token_local"))
+        assert ops == [("S(0)",)] * 2 + [("S(0)", "S(0)", "P(sum)", "P(sum)")] * 2, ops
+        assert plan.count("all_gather") == 0
+        saved[world] = plan.memory.saved - 4 * 256**2
+    assert 0.45 <= saved[4] / saved[2] <= 0.6, saved
+
+    ALL_EXPERTS_FUNCTIONS.register("users_own", lambda *a: grouped_mm_experts_forward(*a))
+    plan = _moe_plan(4, "users_own")
+    assert not any(name.startswith("token_local") for name in plan.placements)
+    assert plan.memory.saved > saved[4]
+    assert any("aten.sort.default" in note and "torch.sort(expert_ids)" in note for note in plan.notes), plan.notes
+
+
 @pytest.mark.parametrize("experts", ["eager", "batched_mm"])
 def test_hf_moe_other_experts_implementations_split_too(pools, experts):
     """HF's other experts implementations (a loop over experts with ``torch.where`` and

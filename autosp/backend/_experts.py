@@ -33,7 +33,7 @@ def capture_hf_experts() -> None:
         return
     cls = moe.ExpertsInterface
     _ORIGINAL.append(cls.get_interface)
-    builtin = {id(f) for f in cls._global_mapping.values()}
+    builtin = {id(f) for f in cls._global_mapping.values() if f.__module__.startswith("transformers.")}
 
     def get_interface(self, experts_implementation, default):
         impl = _ORIGINAL[0](self, experts_implementation, default)

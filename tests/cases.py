@@ -502,7 +502,21 @@ def _per_token_solve(h):
 # ops on activations with no rule of DTensor's or a pointwise tag of torch's: activation functions
 # whose gradients are untagged (Mamba's softplus, ...), log-sigmoid (gated linear attention's
 # gates), a triangular solve per token
+def _orderings(h):
+    """A router's orderings along the features, written the ways users write them: on the tokens
+    flattened (a strided shard of a batch of sequences) and on (b, s, d); topk, sort (stable,
+    descending), argsort; gathered and scattered back along the features."""
+    flat = h.reshape(-1, h.shape[-1])
+    v, i = flat.topk(4, dim=-1)
+    routed = torch.zeros_like(flat).scatter(-1, i, v.softmax(-1)).view_as(h)
+    s, _ = torch.sort(h, dim=-1, stable=True, descending=True)
+    ranked = flat.gather(1, torch.argsort(flat, dim=1)).view(h.shape)
+    top, _ = torch.topk(h, 2, dim=2, largest=False)
+    return routed + 0.5 * s + 0.25 * ranked + top.sum(-1, keepdim=True)
+
+
 OPS = {
+    "orderings": _orderings,
     "activations": lambda h: sum(
         f(h)
         for f in (

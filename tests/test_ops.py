@@ -6,7 +6,9 @@ reference Llama, torchtitan's Llama, DeepSeek-V2) had no rule for ``view_as_comp
 whole. It now runs as Ulysses: 4 all-to-alls each way, no all-gather. Activation functions whose
 gradients torch does not tag pointwise (``softplus_backward``: Falcon-H1's Mamba layers), log-sigmoid
 and a triangular solve per token (``linalg_solve_triangular``, as chunked delta rules solve per
-chunk) were refused; each is now elementwise over the sequence."""
+chunk) were refused; each is now elementwise over the sequence. A router's ``topk``, ``sort`` and
+``argsort`` along the features of tokens flattened from a batch of sequences were gathered
+(DTensor's strategies have no strided shard); they now keep it."""
 
 import cases
 import pytest

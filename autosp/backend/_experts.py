@@ -1,6 +1,6 @@
 """Hugging Face's mixture-of-experts layers, captured as token-local ops (``propagate._local``).
 
-Every HF MoE model's experts module (Mixtral, Qwen2/3-MoE, OLMoE, GPT-OSS, DeepSeek-V3, ...,
+Every HF MoE model's experts module (Mixtral, Qwen2/3-MoE, OLMoE, Granite-MoE, GPT-OSS, ...,
 classes decorated with ``transformers.integrations.moe.use_experts_implementation``) dispatches
 through ``ExpertsInterface.get_interface`` to one implementation, "eager", "grouped_mm" or
 "batched_mm", each ``(hidden_states, top_k_index, top_k_weights) -> hidden_states``, (tokens, ...)
@@ -53,10 +53,10 @@ def _experts_forward(impl, module, hidden_states, *args, **kwargs):
 @torch._dynamo.assume_constant_result
 def _key(module, impl) -> int:
     """The op's key for ``impl`` on ``module`` (evaluated while Dynamo traces; a constant in the graph)."""
-    return register(functools.partial(_run, module, impl), (module, impl))
+    names = tuple(name for name, _ in module.named_parameters())  # the order of module.parameters()
+    return register(functools.partial(_run, module, names), (module, impl))
 
 
-def _run(module, impl, hidden_states, top_k_index, top_k_weights, *params):
-    # through the module's forward, outside compile: HF's dispatch picks ``impl`` again
-    names = [name for name, _ in module.named_parameters()]
+def _run(module, names, hidden_states, top_k_index, top_k_weights, *params):
+    # through the module's forward, outside compile: HF's dispatch picks the implementation again
     return torch.func.functional_call(module, dict(zip(names, params)), (hidden_states, top_k_index, top_k_weights))

@@ -9,10 +9,10 @@ grouped matmuls and the scatter back all on the rank's own tokens.
 The op's tensors are ``rows`` token tensors (dim 0 indexes tokens, the same tokens in each, as
 ``(hidden_states, top_k_index, top_k_weights)``), then the function's parameters; its output is a
 token tensor like the first. The backward runs the function again on the same rows and takes its
-vector-Jacobian product (``torch.autograd.grad``): a token's input gradient is its own, and a
+vector-Jacobian product (``torch.func.vjp``): a token's input gradient is its own, and a
 parameter's gradient is each rank's tokens' part of the sum (``Partial``). The function runs twice
 per step (forward, and again in the backward): its activations are never kept, as with
-checkpointing. Which functions become this op: ``annotations._local``.
+checkpointing. Which functions become this op: ``backend._experts``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ._placement import P, R, shard
 from ._placement import shard_specs as _shards
 from ._strategy import Strategy, rule
 
-__all__ = ["TOKEN_LOCAL", "TOKEN_LOCAL_BACKWARD", "register", "token_local"]
+__all__ = ["TOKEN_LOCAL", "TOKEN_LOCAL_BACKWARD", "register"]
 
 # key -> the function the op runs; filled at capture, read by the op on every call of the step
 _FUNCTIONS: dict[int, Callable[..., torch.Tensor]] = {}
@@ -91,11 +91,6 @@ token_local_op.register_autograd(_backward, setup_context=_setup)
 
 TOKEN_LOCAL = torch.ops.autosp.token_local.default
 TOKEN_LOCAL_BACKWARD = torch.ops.autosp.token_local_backward.default
-
-
-def token_local(fn: Callable[..., torch.Tensor], identity: tuple, rows: list[torch.Tensor], params: list[torch.Tensor]):
-    """``fn(*rows, *params)`` as one token-local op."""
-    return torch.ops.autosp.token_local(register(fn, identity), len(rows), [*rows, *params])
 
 
 def _row_shards(A, rows: range) -> list[tuple[int, int]]:

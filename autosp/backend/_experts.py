@@ -37,9 +37,11 @@ def capture_hf_experts() -> None:
 
     def get_interface(self, experts_implementation, default):
         impl = _ORIGINAL[0](self, experts_implementation, default)
-        if id(impl) not in builtin and impl is not default:
-            return impl
-        return functools.partial(_experts_forward, impl)
+        # "eager" is the decorated class's own forward: HF's only if the class is (the decorator
+        # is public, and a user's experts class may drop tokens)
+        if id(impl) in builtin or (impl is default and impl.__module__.startswith("transformers.")):
+            return functools.partial(_experts_forward, impl)
+        return impl
 
     cls.get_interface = get_interface
 

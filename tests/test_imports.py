@@ -15,6 +15,7 @@ LAYERS = [
     ("autosp.backend",),
     ("autosp.annotations",),
     ("autosp", "autosp._cli", "autosp.__main__"),
+    ("autosp.integrations",),  # on top: frameworks' adapters over the public API
 ]
 
 
@@ -103,3 +104,14 @@ def test_no_import_cycle():
         if m not in state:
             cycle = visit(m)
             assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_import_autosp_imports_no_training_framework():
+    """``autosp.integrations.transformers`` imports transformers; ``import autosp`` must not (it
+    costs seconds, and the [hf] extra is optional)."""
+    import subprocess
+    import sys
+
+    code = "import sys, autosp; print(sorted(m for m in ('transformers', 'trl', 'accelerate') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

@@ -125,6 +125,30 @@ def _with_errors(compile_fn: Callable) -> Callable:
     return compile
 
 
+def _solved(graph: fx.GraphModule, ctx: SpContext):
+    """K/V repeats folded or K/V heads replicated, then propagate, solve and the plan (checked
+    across ranks): (the graph planned, its nodes -> ``graph``'s where it is a hinted copy, else
+    None; the choice; the plan). Planning reads sizes at their hints (a copy of the graph); the
+    per-rank graph stays symbolic."""
+    folded = _run("fold K/V repeats", fold_kv_repeats, graph, ctx.n)
+    folded += _run("replicate K/V heads", replicate_kv_heads, graph, ctx)
+    planned, to_graph = hinted(graph) if is_symbolic(graph) else (graph, None)
+    candidates = _run("propagate", propagate, planned, ctx)
+    choice = _run("solve", solve, planned, candidates, ctx)
+    plan = _run("plan", build_plan, planned, choice, ctx.n, tuple(folded))
+    check_same_plan(plan, ctx)
+    return planned, to_graph, choice, plan
+
+
+def _on_symbolic(choice, to_graph: dict | None, n: int):
+    """The choice on the symbolic graph's nodes (guarded to even shards where the plan relies on them)."""
+    if to_graph is None:
+        return choice
+    choice = dataclasses.replace(choice, strategy={to_graph[nd]: s for nd, s in choice.strategy.items()})
+    guard_even_shards(choice.strategy, n)
+    return choice
+
+
 def make_backend(
     mesh,
     options: Options,
@@ -138,18 +162,9 @@ def make_backend(
     plans: list[Plan] = []  # the plan of the compile under way, for its forward's compiled function
 
     def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs, **kwargs):
-        folded = _run("fold K/V repeats", fold_kv_repeats, joint, ctx.n)
-        folded += _run("replicate K/V heads", replicate_kv_heads, joint, ctx)
-        # planning reads sizes at their hints (a copy of the graph); the per-rank graph stays symbolic
-        planned, to_joint = hinted(joint) if is_symbolic(joint) else (joint, None)
-        candidates = _run("propagate", propagate, planned, ctx)
-        choice = _run("solve", solve, planned, candidates, ctx)
-        plan = _run("plan", build_plan, planned, choice, ctx.n, tuple(folded))
-        check_same_plan(plan, ctx)
+        planned, to_joint, choice, plan = _solved(joint, ctx)
         tiling, guard_tiles = plan_tiles(planned.graph, choice.strategy, ctx, symbolic=to_joint)
-        if to_joint is not None:
-            choice = dataclasses.replace(choice, strategy={to_joint[nd]: s for nd, s in choice.strategy.items()})
-            guard_even_shards(choice.strategy, ctx.n)
+        choice = _on_symbolic(choice, to_joint, ctx.n)
 
         def per_rank(tiling=None) -> fx.GraphModule:
             local = localize(joint, choice, joint_inputs, ctx, num_fwd_outputs=num_fwd_outputs, tiling=tiling)
@@ -181,11 +196,29 @@ def make_backend(
             on_plan(plan)
         return fw, bw
 
+    def forward_only(graph: fx.GraphModule, example_inputs):
+        """A graph without a backward (the step under ``torch.no_grad()``: evaluation), planned and
+        localized as a training step's forward is, untiled and without checkpointing."""
+        _, to_graph, choice, plan = _solved(graph, ctx)
+        choice = _on_symbolic(choice, to_graph, ctx.n)
+        inputs = [list(example_inputs), []]  # (primals, tangents), as localize reads a joint graph's
+        outputs = len(graph.graph.output_node().args[0])
+        local = _run(
+            "localize", lambda: gathers_at_first_use(localize(graph, choice, inputs, ctx, num_fwd_outputs=outputs))
+        )
+        notes = ("forward only (no grad): no checkpointing, no tiling",)
+        notes += (lengths_note(inputs),) if to_graph is not None else ()
+        plan = dataclasses.replace(plan, notes=plan.notes + notes)
+        if on_plan is not None:
+            on_plan(plan)
+        plans[:] = [plan]
+        return fw_compile(local, example_inputs)
+
     compile_fn = _with_errors(_compiler(options.compiler))
 
     def fw_compile(gm: fx.GraphModule, example_inputs):
         run = compile_fn(gm, example_inputs)
-        if on_run is None or not plans:  # an inference graph (no grad) has no partition, no plan
+        if on_run is None or not plans:
             return run
         plan = plans.pop()  # its partition's, just before
 
@@ -199,6 +232,7 @@ def make_backend(
     return aot_autograd(
         fw_compiler=fw_compile,
         bw_compiler=compile_fn,
+        inference_compiler=forward_only,
         partition_fn=partition,
         decompositions=DECOMPOSITIONS,
         keep_inference_input_mutations=True,

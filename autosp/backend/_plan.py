@@ -172,13 +172,20 @@ def build_plan(joint: fx.GraphModule, choice: Choice, n: int, notes: tuple[str, 
 
 
 def _gather_notes(colls: list[Collective]) -> list[str]:
-    """Why each sharded value is all-gathered: the op that reads it whole."""
-    return [
-        f"{c.producer} ({'x'.join(map(str, c.shape))} {c.dtype}, {c.src}) is all-gathered for "
-        f"{c.op} at {c.source}: no exact strategy of that op keeps it {c.src} (it reads the sharded "
-        "dim whole: e.g. x.max(dim), a product or a flip along the sequence, or an op without a "
-        "rule on integer data); computing it another way, or autosp.annotate(x, 'R') to make the "
-        "gather explicit, is the fix"
-        for c in colls
-        if c.kind == "all_gather"
-    ]
+    """Why each sharded value is all-gathered: the op that reads it whole, or the step returning it."""
+
+    def why(c: Collective) -> str:
+        what = f"{c.producer} ({'x'.join(map(str, c.shape))} {c.dtype}, {c.src}) is all-gathered"
+        if c.consumer == "output":
+            return (
+                f"{what}: the step returns it (made by {c.op} at {c.source}), whole on every rank as "
+                "one device returns it; returning a reduction of it (a sum, a mean) keeps it split"
+            )
+        return (
+            f"{what} for {c.op} at {c.source}: no exact strategy of that op keeps it {c.src} (it reads the "
+            "sharded dim whole: e.g. x.max(dim), a product or a flip along the sequence, or an op without a "
+            "rule on integer data); computing it another way, or autosp.annotate(x, 'R') to make the "
+            "gather explicit, is the fix"
+        )
+
+    return [why(c) for c in colls if c.kind == "all_gather"]

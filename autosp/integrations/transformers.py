@@ -1,0 +1,233 @@
+"""Hugging Face ``Trainer`` (and the trainers built on it: TRL's ``SFTTrainer``, ...) run
+sequence-parallel: ``SequenceParallelTrainer(sp=2, ...)``, or ``sequence_parallel(TrainerClass)``.
+
+Under torchrun with W processes the ranks form ``autosp.mesh(sp=sp, dp=W // sp)``. What changes
+against the Trainer, and why each gives the single-process step:
+- **Data over the dp replicas only.** The Trainer's data loaders are sharded over dp (accelerate's
+  batch sampler told dp replicas, not W processes), so the ranks of an sp group read the same
+  batches; metrics (the evaluation loss, TRL's token counts) are gathered over dp alone.
+- **The model's forward through** ``autosp.shard``. ``compute_loss`` (the Trainer's, TRL's or
+  yours) calls the model as usual; the call runs as one sharded step on the sp group, its loss
+  the single-device loss and every ``.grad`` after ``backward`` the single-device gradient (the
+  mean over the dp replicas, as DDP's). Where the model computed the loss from ``labels``, its
+  logits are not returned (they would be gathered whole on every rank); without labels they are.
+- **No DDP wrapper.** autosp reduces the gradients itself, so accelerate is told the model is
+  prepared. The Trainer's loss scaling stays as it is: it counts the loss's tokens over all W
+  processes (each sp group's sp times) and multiplies the loss by W, which together give the
+  mean over dp of each replica's share, as DDP's average over W gives.
+
+Everything else is the Trainer's: gradient accumulation, clipping to the global norm (every rank
+holds the whole gradient), schedulers, checkpoints and resuming.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import transformers
+
+from .._context import Options
+from ..annotations import mesh as _mesh
+from ..annotations import shard as _shard
+
+__all__ = ["SequenceParallelTrainer", "sequence_parallel"]
+
+# outputs not returned where the model computed the loss: activation-sized, gathered whole
+_LARGE_OUTPUTS = ("logits", "hidden_states", "attentions", "past_key_values")
+_FLASH_VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+class _Outputs(dict):
+    """A model's outputs as ``ModelOutput`` reads: by key, by attribute (TRL), by position."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __getitem__(self, key):
+        if isinstance(key, int):
+            return list(self.values())[key]
+        return super().__getitem__(key)
+
+    def to_tuple(self) -> tuple:
+        return tuple(self.values())
+
+
+def _fused_lm_head(model, labels=None, shift_labels=None, num_items_in_batch=None, **inputs) -> dict[str, torch.Tensor]:
+    """What TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``, at temperature 1; the
+    fields of its ``FusedCausalLMOutput``) returns, from the model's own logits in plain torch
+    ops: its chunked kernel writes tiles with ``out=``, which Dynamo cannot trace, and inside the
+    sharded step the logits are each rank's own rows, never whole."""
+    out = model(**inputs, fused_lm_head=False)
+    logits = out.logits.float()
+    if shift_labels is None:
+        logits, shift_labels = logits[:, :-1], labels[:, 1:]
+    mask = shift_labels != -100
+    targets = shift_labels.clamp(min=0)
+    log_z = torch.logsumexp(logits, dim=-1)
+    target = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    log_probs = torch.where(mask, target - log_z, 0.0)
+    probs = torch.softmax(logits, dim=-1)
+    entropy = torch.where(mask, log_z - (probs * logits).sum(-1), 0.0)
+    is_top1 = mask & (logits.argmax(-1) == targets)
+    count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    loss = -log_probs.sum() / count
+    fields = dict(log_probs=log_probs, entropy=entropy, is_top1=is_top1, label_mask=mask)
+    if out.get("aux_loss") is not None:
+        loss = loss + model.config.get_text_config().router_aux_loss_coef * out.aux_loss
+        fields["aux_loss"] = out.aux_loss
+    return dict(loss=loss, **fields)
+
+
+def _forward(model, **inputs) -> dict[str, torch.Tensor]:
+    if inputs.pop("fused_lm_head", False):
+        return _fused_lm_head(model, **inputs)
+    out = model(**inputs)
+    keep = {k: v for k, v in out.items() if v is not None}
+    if keep.get("loss") is not None:
+        keep = {k: v for k, v in keep.items() if k not in _LARGE_OUTPUTS}
+    return keep
+
+
+class _ShardedModel:
+    """What ``compute_loss`` calls in place of the model: its forward as one ``autosp.shard`` step
+    on the sp group; every attribute read goes to the model."""
+
+    def __init__(self, model, step):
+        self._model, self._step = model, step
+
+    def __call__(self, **inputs):
+        if "flash" not in str(getattr(self._model.config, "_attn_implementation", "")):
+            # padding-free batches (TRL's packing) carry the documents' bounds for flash attention's
+            # varlen kernels; SDPA and eager attention read the documents from position_ids and
+            # ignore these, whose sizes (the number of documents) would recompile at each batch
+            inputs = {k: v for k, v in inputs.items() if k not in _FLASH_VARLEN}
+        return _Outputs(self._step(**inputs))
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def _gather_over(group, size: int, data):
+    """``data`` (tensors, nested in lists / dicts) from every rank of ``group``, concatenated on dim 0."""
+    if size == 1:
+        return data
+    if isinstance(data, torch.Tensor):
+        parts = [torch.empty_like(data) for _ in range(size)]
+        dist.all_gather(parts, data.contiguous(), group=group)
+        return torch.cat([p if p.ndim else p[None] for p in parts])
+    if isinstance(data, (list, tuple)):
+        return type(data)(_gather_over(group, size, x) for x in data)
+    if isinstance(data, dict):
+        return type(data)({k: _gather_over(group, size, v) for k, v in data.items()})
+    out = [None] * size
+    dist.all_gather_object(out, data, group=group)
+    return [x for part in out for x in (part if isinstance(part, list) else [part])]
+
+
+class _SequenceParallel:
+    """The mixin ``sequence_parallel`` puts in front of a Trainer class."""
+
+    def __init__(self, *args, sp: int | None = None, seq: Any = True, **kwargs):
+        names = Options.keys()
+        self._sp_options = Options.of(**{k: kwargs.pop(k) for k in names if k in kwargs})
+        super().__init__(*args, **kwargs)
+        if self.args.bf16 or self.args.fp16:
+            raise ValueError(
+                "autosp: SequenceParallelTrainer with bf16=True / fp16=True: accelerate's autocast wrapper is not "
+                "composed with autosp yet; load the model in the dtype to train in (torch_dtype=torch.bfloat16)"
+            )
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        sp = world if sp is None else sp
+        if sp < 1 or world % sp:
+            raise ValueError(
+                f"autosp: SequenceParallelTrainer(sp={sp}) on {world} processes: sp must divide the world size "
+                "(the ranks form sp x dp = world)"
+            )
+        self._sp_scope = _mesh(sp=sp, dp=world // sp)
+        with self._sp_scope as m:
+            self.sp_mesh = m
+        self._sp_seq = seq
+        self._sp_steps: dict[int, Any] = {}
+        # accelerate wraps a model once: marked prepared, it is not put in DDP (autosp reduces
+        # the gradients over the mesh itself)
+        self.model._is_accelerate_prepared = True
+        if self.sp_mesh.dp_size < world:
+            # the Trainer's evaluation loop gathers through gather_function, reset to the
+            # accelerator's gather_for_metrics after each evaluation; TRL's metrics gather through the latter
+            self.accelerator.gather_for_metrics = self._gather_for_metrics
+            self.gather_function = functools.partial(
+                self._gather_for_metrics, use_gather_object=self.args.eval_use_gather_object
+            )
+
+    # the model call
+    def _sharded(self, model):
+        model = self.accelerator.unwrap_model(model)
+        key = id(model)
+        if key not in self._sp_steps:
+            step = functools.partial(_forward, model)
+            self._sp_steps[key] = _shard(step, seq=self._sp_seq, **dataclasses.asdict(self._sp_options))
+        return _ShardedModel(model, self._sp_steps[key])
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        with self._sp_scope:
+            return super().compute_loss(self._sharded(model), inputs, *args, **kwargs)
+
+    # the data: sharded over the dp replicas, not over every process
+    def _get_dataloader(self, *args, **kwargs):
+        loader = super()._get_dataloader(*args, **kwargs)
+        sampler = getattr(loader, "batch_sampler", None)
+        if hasattr(sampler, "num_processes"):  # accelerate's BatchSamplerShard
+            sampler.num_processes, sampler.process_index = self.sp_mesh.dp_size, self.sp_mesh.dp_rank
+            if self.sp_mesh.dp_size == 1:  # as accelerate leaves one process's batches: the last one short
+                sampler.even_batches = False
+        elif self.sp_mesh.dp_size < self.accelerator.num_processes:
+            raise NotImplementedError(
+                f"autosp: SequenceParallelTrainer: the data loader ({type(loader).__name__}) is not sharded by "
+                "accelerate's batch sampler (an IterableDataset?), so the ranks of an sp group would read different "
+                "batches; use a map-style dataset"
+            )
+        return loader
+
+    def get_total_train_batch_size(self, args) -> int:
+        return self._train_batch_size * args.gradient_accumulation_steps * self.sp_mesh.dp_size
+
+    def _gather_for_metrics(self, data, use_gather_object: bool = False):
+        """accelerate's ``gather_for_metrics`` over the dp replicas (the ranks of an sp group hold
+        the same batch): the last batch cut to the dataset's remainder, as accelerate cuts it."""
+        data = _gather_over(self.sp_mesh.dp_group, self.sp_mesh.dp_size, data)
+        state = self.accelerator.gradient_state
+        if not (state.end_of_dataloader and state.remainder > 0):
+            return data
+
+        def cut(x):
+            return x[: state.remainder] if not isinstance(x, torch.Tensor) or x.ndim else x
+
+        if isinstance(data, (list, tuple)) and not use_gather_object:
+            return type(data)(cut(x) for x in data)
+        if isinstance(data, dict):
+            return type(data)({k: cut(v) for k, v in data.items()})
+        return cut(data)
+
+
+@functools.cache
+def sequence_parallel(trainer_class: type) -> type:
+    """``trainer_class`` (``transformers.Trainer`` or a subclass: ``trl.SFTTrainer``, ...) run
+    sequence-parallel; the class takes ``sp=`` (default: the world size; the ranks form
+    ``sp x dp``), ``seq=`` (as ``autosp.shard``'s) and ``autosp.shard``'s options
+    (``checkpoint=``, ``attention=``, ``compiler=``, ...) besides its own arguments, e.g.
+    ``sequence_parallel(trl.SFTTrainer)(model=model, args=args, train_dataset=data, sp=2)``."""
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, transformers.Trainer)):
+        raise TypeError(f"autosp: sequence_parallel({trainer_class!r}): pass transformers.Trainer or a subclass")
+    return type(f"SequenceParallel{trainer_class.__name__}", (_SequenceParallel, trainer_class), {})
+
+
+SequenceParallelTrainer = sequence_parallel(transformers.Trainer)
+SequenceParallelTrainer.__doc__ = """``transformers.Trainer`` run sequence-parallel: ``sp=`` (default:
+the world size), ``seq=`` and ``autosp.shard``'s options besides the Trainer's arguments."""

@@ -1,0 +1,80 @@
+"""``autosp.integrations.transformers``: the Hugging Face Trainer and TRL's SFTTrainer on 2 gloo
+ranks against the same trainer in one process (tiny Llama, fp32, dropout 0)."""
+
+from __future__ import annotations
+
+import pytest
+import trainer_cases
+
+pytest.importorskip("trl")
+
+
+def _assert_same_losses(got: dict, want: dict, rtol: float, steps) -> None:
+    for step in steps:
+        assert abs(got[step] - want[step]) <= rtol * abs(want[step]), (step, got[step], want[step])
+
+
+def test_sequence_parallel_trainer_logs_the_single_process_losses_and_resumes_alike(pools, tmp_path):
+    """20 steps (gradient accumulation 2, clipping to 1.0, cosine, AdamW, a new length every
+    batch): each logged loss within 1e-4 of the one-process Trainer's, the evaluation loss within
+    1e-5, and a run resumed from step 10's checkpoint logs the same steps 11-20. Would catch: the
+    data sharded over every rank (sp ranks reading different batches: the input check fails),
+    the loss scaled by the world size twice, DDP reducing autosp's gradients again, the last
+    evaluation batch cut by accelerate's world-wide remainder, evaluation unsharded."""
+    one = pools(1).run(trainer_cases.train, "trainer", 1, str(tmp_path / "one"))[0]
+    full, _ = pools(2).run(trainer_cases.train, "trainer", 2, str(tmp_path / "sp"), 20, 10)
+    assert sorted(full["losses"]) == list(range(1, 21))
+    _assert_same_losses(full["losses"], one["losses"], 1e-4, range(1, 21))
+    assert abs(full["eval_loss"] - one["eval_loss"]) <= 1e-5 * one["eval_loss"]
+    # the work is split: Ulysses' all-to-alls in training and in the forward-only evaluation
+    assert full["train_plan"]["kinds"] == ["all_reduce", "all_to_all"], full["train_plan"]
+    assert full["eval_plan"]["kinds"] == ["all_reduce", "all_to_all"], full["eval_plan"]
+    assert any(n.startswith("forward only") for n in full["eval_plan"]["notes"])
+
+    resumed, _ = pools(2).run(
+        trainer_cases.train, "trainer", 2, str(tmp_path / "sp"), 20, 0, str(tmp_path / "sp" / "checkpoint-10")
+    )
+    # steps 1-10 are the checkpoint's log; 11-20 ran again from its weights, optimizer, schedule and data position
+    assert sorted(resumed["losses"]) == list(range(1, 21))
+    _assert_same_losses(resumed["losses"], full["losses"], 1e-4, range(11, 21))
+
+
+@pytest.mark.parametrize("packing", [True], ids=["packed"])
+def test_sequence_parallel_sft_trainer_logs_the_single_process_losses(pools, tmp_path, packing):
+    """TRL's SFTTrainer (completion-only loss through its fused LM head's outputs, computed in the
+    sharded step) with packing: padding-free rows of whole documents, position_ids restarting.
+    Each of 10 logged losses within 1e-4 of one process's, the evaluation loss within 1e-5.
+    Would catch: documents attending across their bounds, the varlen bounds recompiling each
+    batch (timeout), TRL's token-count metric gathered over the sp ranks."""
+    one = pools(1).run(trainer_cases.train, "sft", 1, str(tmp_path / "one"), 10, 0, None, packing)[0]
+    sp, _ = pools(2).run(trainer_cases.train, "sft", 2, str(tmp_path / "sp"), 10, 0, None, packing)
+    _assert_same_losses(sp["losses"], one["losses"], 1e-4, range(1, 11))
+    assert abs(sp["eval_loss"] - one["eval_loss"]) <= 1e-5 * one["eval_loss"]
+    plan = sp["train_plan"]
+    assert "all_to_all" in plan["kinds"] and set(plan["kinds"]) <= {"all_to_all", "all_reduce", "halo", "all_gather"}
+    # gathered: only what the step returns to TRL, per token (log-probabilities, entropy, top-1
+    # hits, one (1, tokens) row each: 1/hidden of an activation), never an activation
+    assert 1 <= len(plan["gathers"]) <= 4 and all(
+        len(s) == 2 and s[0] == 1 and c == "output" for s, c in plan["gathers"]
+    )
+
+
+def test_sequence_parallel_trainer_refuses_what_it_cannot_run_exactly(tmp_path):
+    """Errors, not a silently different run: bf16 autocast (accelerate's wrapper, which a prepared
+    model skips), an sp that does not divide the world, a class that is not a Trainer."""
+    import hf_models
+    import transformers as T
+
+    from autosp.integrations.transformers import SequenceParallelTrainer, sequence_parallel
+
+    def make(sp, **args):
+        args = T.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **args)
+        model = hf_models.build("llama", "sdpa")
+        return SequenceParallelTrainer(model=model, args=args, train_dataset=trainer_cases.samples(4, 0), sp=sp)
+
+    with pytest.raises(ValueError, match=r"bf16=True.*torch_dtype"):
+        make(1, bf16=True)
+    with pytest.raises(ValueError, match=r"sp=3\) on 1 processes: sp must divide the world size"):
+        make(3)
+    with pytest.raises(TypeError, match="pass transformers.Trainer or a subclass"):
+        sequence_parallel(dict)

@@ -69,6 +69,7 @@ def main() -> None:
     ap.add_argument("--compiler", default="aot_eager", choices=["aot_eager", "inductor"])
     ap.add_argument("--out", type=Path, default=Path("runs/sft"))
     ap.add_argument("--compare", type=Path, default=None, help="another run's --out: compare the losses")
+    ap.add_argument("--memory", action="store_true", help="measure each step's peak RSS growth (loss.json's peak)")
     args = ap.parse_args()
 
     import datasets
@@ -104,16 +105,58 @@ def main() -> None:
         trainer = sequence_parallel(trl.SFTTrainer)(**kwargs, sp=sp, compiler=args.compiler)
     else:
         trainer = trl.SFTTrainer(**kwargs)
+    memory = PeakMemory() if args.memory else None
+    if memory is not None:
+        trainer.add_callback(memory)
     trainer.train()
 
+    peak = memory.peak() if memory is not None else None
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "loss.json").write_text(json.dumps(dict(sp=sp, world=world, loss=losses)))
+    (args.out / "loss.json").write_text(json.dumps(dict(sp=sp, world=world, loss=losses, peak_bytes=peak)))
     print(f"{len(losses)} steps, sp={sp}: first loss {losses[0]:.4f}, last {losses[-1]:.4f} -> {args.out}/loss.json")
+    if peak is not None:
+        print(f"peak memory per rank during a step (median over steps 2-{args.steps}): {peak / 2**20:.1f} MiB")
     if args.compare is not None:
-        _compare(args.out, args.compare, dict(sp=sp, loss=losses))
+        _compare(args.out, args.compare, dict(sp=sp, loss=losses, peak_bytes=peak))
+
+
+class PeakMemory:
+    """A Trainer callback: each step's RSS high-water mark above the RSS at its start, from the
+    second step on (the first compiles and allocates the optimizer state), with glibc returning
+    freed memory at once (as the main job measures, ``examples/train.py``); ``peak()``: the
+    median over the steps, the largest over the ranks."""
+
+    def __init__(self):
+        from examples.train import _follow_live_tensors
+
+        _follow_live_tensors()
+        self.peaks: list[int] = []
+        self.base = 0
+
+    def __getattr__(self, name):  # the TrainerCallback events this callback does not handle
+        if name.startswith("on_"):
+            return lambda *args, **kwargs: None
+        raise AttributeError(name)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        from examples.train import _reset_peak
+
+        self.base = _reset_peak()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        from examples.train import _rss
+
+        if state.global_step > 1:
+            self.peaks.append(_rss("VmHWM") - self.base)
+
+    def peak(self) -> int:
+        mine = torch.tensor(float(sorted(self.peaks)[len(self.peaks) // 2]))
+        if dist.is_initialized():
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        return int(mine)
 
 
 def _compare(out: Path, other: Path, mine: dict) -> None:
@@ -121,6 +164,9 @@ def _compare(out: Path, other: Path, mine: dict) -> None:
     n = min(len(mine["loss"]), len(theirs["loss"]))
     worst = max(abs(a - b) / abs(b) for a, b in zip(mine["loss"][:n], theirs["loss"][:n]))
     print(f"sp={mine['sp']} against sp={theirs['sp']}: the first {n} losses agree to {worst:.1e} (relative)")
+    if mine.get("peak_bytes") and theirs.get("peak_bytes"):
+        ratio = mine["peak_bytes"] / theirs["peak_bytes"]
+        print(f"peak memory per rank: {ratio:.2f}x the other run's")
     try:
         import matplotlib
 

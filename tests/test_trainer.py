@@ -60,8 +60,9 @@ def test_sequence_parallel_sft_trainer_logs_the_single_process_losses(pools, tmp
 
 
 def test_sequence_parallel_trainer_refuses_what_it_cannot_run_exactly(tmp_path):
-    """Errors, not a silently different run: bf16 autocast (accelerate's wrapper, which a prepared
-    model skips), an sp that does not divide the world, a class that is not a Trainer."""
+    """Errors, not a silently different run: bf16 autocast and torch_compile / FSDP / DeepSpeed
+    (accelerate's wrappers, which a model marked prepared skips), an sp that does not divide the
+    world, a class that is not a Trainer."""
     import hf_models
     import transformers as T
 
@@ -74,7 +75,24 @@ def test_sequence_parallel_trainer_refuses_what_it_cannot_run_exactly(tmp_path):
 
     with pytest.raises(ValueError, match=r"bf16=True.*torch_dtype"):
         make(1, bf16=True)
+    with pytest.raises(ValueError, match=r"fsdp=, deepspeed= or torch_compile=.*docs/fsdp.md"):
+        make(1, torch_compile=True)
     with pytest.raises(ValueError, match=r"sp=3\) on 1 processes: sp must divide the world size"):
         make(3)
     with pytest.raises(TypeError, match="pass transformers.Trainer or a subclass"):
         sequence_parallel(dict)
+
+
+def test_sequence_parallel_trainer_on_sp_2_by_dp_2_matches_one_process(pools, tmp_path):
+    """4 ranks as 2 dp replicas of an sp group of 2 (2 micro-batches of 2 per replica) against
+    one process taking the same 8 samples a step as 4 micro-batches: each of 10 logged losses
+    within 1e-4, the evaluation loss (8 samples: no padded batch) within 1e-5. Would catch: the
+    data sharded over 4 ranks (or not over dp at all), gradients summed instead of averaged
+    over the replicas, the token count or the loss scale off by the replica count, metrics
+    gathered over every rank."""
+    one = pools(1).run(trainer_cases.train, "trainer", 1, str(tmp_path / "one"), 10, 0, None, False, 4, 8)[0]
+    runs = pools(4).run(trainer_cases.train, "trainer", 2, str(tmp_path / "sp"), 10, 0, None, False, 2, 8)
+    for run in runs:
+        _assert_same_losses(run["losses"], one["losses"], 1e-4, range(1, 11))
+        assert abs(run["eval_loss"] - one["eval_loss"]) <= 1e-5 * one["eval_loss"]
+        assert "all_to_all" in run["train_plan"]["kinds"]

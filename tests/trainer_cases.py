@@ -54,11 +54,14 @@ def train(
     save_steps: int = 0,
     resume: str | None = None,
     packing: bool = False,
+    accumulate: int = 2,
+    eval_samples: int = 10,
 ) -> dict:
     """``kind``: "trainer" (``transformers.Trainer``, the model's own loss from ``labels``) or "sft"
     (TRL's ``SFTTrainer``, its completion-only loss); ``sp`` 1: the class itself in one process,
-    else ``sequence_parallel`` of it on every rank. 20 steps of 2 micro-batches of 2, clipping
-    to 1.0, cosine schedule, AdamW, fp32; then an evaluation. Returns the logged losses by step,
+    else ``sequence_parallel`` of it on every rank (sp x dp = the world). ``steps`` steps of
+    ``accumulate`` micro-batches of 2 per dp replica, clipping to 1.0, cosine schedule, AdamW,
+    fp32; then an evaluation (batches of 4, ``eval_samples``). Returns the logged losses by step,
     the evaluation loss and (sp > 1) the sharded step's collectives."""
     import datasets
     import hf_models
@@ -71,7 +74,7 @@ def train(
         max_steps=steps,
         per_device_train_batch_size=2,
         per_device_eval_batch_size=4,
-        gradient_accumulation_steps=2,
+        gradient_accumulation_steps=accumulate,
         learning_rate=1e-3,
         lr_scheduler_type="cosine",
         max_grad_norm=1.0,
@@ -85,7 +88,7 @@ def train(
         bf16=False,
         disable_tqdm=True,
     )
-    train_rows, eval_rows = samples(96, 0), samples(10, 1)
+    train_rows, eval_rows = samples(96, 0), samples(eval_samples, 1)
     if kind == "trainer":
         args = T.TrainingArguments(**common, remove_unused_columns=False)
         kw = dict(train_dataset=train_rows, eval_dataset=eval_rows, data_collator=collate)

@@ -138,10 +138,17 @@ class _SequenceParallel:
         names = Options.keys()
         self._sp_options = Options.of(**{k: kwargs.pop(k) for k in names if k in kwargs})
         super().__init__(*args, **kwargs)
+        # a model marked prepared (below) skips accelerate's wrappers: refuse what they would have done
         if self.args.bf16 or self.args.fp16:
             raise ValueError(
                 "autosp: SequenceParallelTrainer with bf16=True / fp16=True: accelerate's autocast wrapper is not "
                 "composed with autosp yet; load the model in the dtype to train in (torch_dtype=torch.bfloat16)"
+            )
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled or self.args.torch_compile:
+            raise ValueError(
+                "autosp: SequenceParallelTrainer with the Trainer's fsdp=, deepspeed= or torch_compile=: autosp "
+                "compiles the step and reduces the gradients itself, and does not compose with these yet; drop "
+                "them (for FSDP2 with autosp, see docs/fsdp.md: fully_shard in a training loop)"
             )
         world = dist.get_world_size() if dist.is_initialized() else 1
         sp = world if sp is None else sp

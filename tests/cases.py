@@ -89,6 +89,24 @@ def exactness(
     return out
 
 
+def no_grad_exactness(kind: str, b: int, L: int) -> dict:
+    """The loss of a step under ``torch.no_grad()`` (evaluation: a forward-only plan) against one
+    device's, this rank's forward matmul FLOPs against one device's, the plan's collectives."""
+    torch.manual_seed(0)
+    model = MODELS[kind]()
+    ids, labels = batch(kind, b, L, seed=0)
+    with autosp.mesh(), torch.no_grad():
+        step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager")
+        loss, loss_ref = step(ids, labels), model(ids, labels)
+        flops = (_matmul_flops(lambda: step(ids, labels), False), _matmul_flops(lambda: model(ids, labels), False))
+    return dict(
+        loss=(loss.item(), loss_ref.item()),
+        flops=flops,
+        kinds=sorted({c.kind for c in step.plan.collectives}),
+        notes=list(step.plan.notes),
+    )
+
+
 def _gloo_events(prof) -> list[tuple[str, int]]:
     out = []
     for e in prof.events():

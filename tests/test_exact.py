@@ -141,3 +141,17 @@ def test_query_heads_not_divisible_by_ranks_stays_exact(pools, kind):
         worst = max(r["grad_err"].items(), key=lambda kv: kv[1])
         assert worst[1] <= 1e-5, worst
         assert r["planned"]
+
+
+def test_a_step_under_no_grad_is_planned_split_and_exact(pools):
+    """Evaluation (``torch.no_grad()``) gets a forward-only plan: the loss one device's, each
+    rank's forward matmul FLOPs its share, Ulysses' all-to-alls. Would catch: the inference graph
+    run unsharded on every rank (FLOPs 1.0x, as before), or planned but its outputs not reduced."""
+    from _checks import assert_matmuls_split
+
+    results = pools(2).run(cases.no_grad_exactness, "llama", 2, 61)
+    for r in results:
+        assert abs(r["loss"][0] - r["loss"][1]) <= 1e-5 * abs(r["loss"][1]), r["loss"]
+        assert r["kinds"] == ["all_reduce", "all_to_all"], r["kinds"]
+        assert any(n.startswith("forward only (no grad)") for n in r["notes"])
+    assert_matmuls_split(results, 61)

@@ -32,7 +32,8 @@ def shard(fn: Callable | nn.Module | None = None, *, seq: SeqSpec = True, **opti
         every length; False: one per length), ``mem_weight``, ``every_rung``, ``check_inputs``.
     Called with full, global tensors (identical on the ranks of an sp group); returns what one
     device would: the global loss on every rank, and after ``backward()`` every parameter's
-    ``.grad`` is the single-device gradient on every rank.
+    ``.grad`` is the single-device gradient on every rank. Under ``torch.no_grad()`` (evaluation)
+    the step is planned forward-only: split the same way, without checkpointing or tiling.
     """
     opts = Options.of(**options)
     if fn is None:

@@ -318,10 +318,10 @@ class ShardedStep:
         step = self._compiled_for(m, (id(m.device_mesh), _shapes(named, marked)), bool(marked))
         self.plan = None
         out = self._run(m, step, args, kwargs)
-        if m.sp_size * m.dp_size > 1 and self.plan is None and torch.is_grad_enabled():
+        if m.sp_size * m.dp_size > 1 and self.plan is None:  # with or without grad: both are planned
             raise RuntimeError(
-                "autosp: the step ran without the autosp backend (nothing required grad, or Dynamo "
-                "fell back to eager); the results were computed unsharded"
+                "autosp: the step ran without the autosp backend (Dynamo fell back to eager); the "
+                "results were computed unsharded"
             )
         return out
 

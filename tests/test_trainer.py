@@ -4,6 +4,7 @@ ranks against the same trainer in one process (tiny Llama, fp32, dropout 0)."""
 from __future__ import annotations
 
 import pytest
+import torch
 import trainer_cases
 
 pytest.importorskip("trl")
@@ -20,7 +21,8 @@ def test_sequence_parallel_trainer_logs_the_single_process_losses_and_resumes_al
     1e-5, and a run resumed from step 10's checkpoint logs the same steps 11-20. Would catch: the
     data sharded over every rank (sp ranks reading different batches: the input check fails),
     the loss scaled by the world size twice, DDP reducing autosp's gradients again, the last
-    evaluation batch cut by accelerate's world-wide remainder, evaluation unsharded."""
+    evaluation batch cut by accelerate's world-wide remainder, evaluation unsharded, predict()
+    without its logits (dropped as they are for a loss)."""
     one = pools(1).run(trainer_cases.train, "trainer", 1, str(tmp_path / "one"))[0]
     full, _ = pools(2).run(trainer_cases.train, "trainer", 2, str(tmp_path / "sp"), 20, 10)
     assert sorted(full["losses"]) == list(range(1, 21))
@@ -30,6 +32,9 @@ def test_sequence_parallel_trainer_logs_the_single_process_losses_and_resumes_al
     assert full["train_plan"]["kinds"] == ["all_reduce", "all_to_all"], full["train_plan"]
     assert full["eval_plan"]["kinds"] == ["all_reduce", "all_to_all"], full["eval_plan"]
     assert any(n.startswith("forward only") for n in full["eval_plan"]["notes"])
+    # predict() returns the logits (the one place they are gathered), one device's
+    assert full["logits"].shape == one["logits"].shape
+    torch.testing.assert_close(full["logits"], one["logits"], rtol=1e-5, atol=1e-5)
 
     resumed, _ = pools(2).run(
         trainer_cases.train, "trainer", 2, str(tmp_path / "sp"), 20, 0, str(tmp_path / "sp" / "checkpoint-10")

@@ -112,12 +112,14 @@ def train(
     result["train_plan"] = _plan(trainer) if sp > 1 else None
     result["eval_loss"] = trainer.evaluate()["eval_loss"]
     result["eval_plan"] = _plan(trainer) if sp > 1 else None
+    if kind == "trainer":  # predictions: the logits, returned whole
+        result["logits"] = torch.as_tensor(trainer.predict(eval_rows[:4]).predictions)
     return result
 
 
 def _plan(trainer) -> dict:
-    """The collectives and notes of the plan the sharded model call ran last."""
-    (step,) = trainer._sp_steps.values()
+    """The collectives and notes of the plan the sharded model call (the one without logits) ran last."""
+    step = trainer._sp_steps[(id(trainer.model), False)]
     return dict(
         kinds=sorted({c.kind for c in step.plan.collectives}),
         notes=list(step.plan.notes),

@@ -53,17 +53,39 @@ class _Outputs(dict):
     def __getitem__(self, key):
         if isinstance(key, int):
             return list(self.values())[key]
+        if key in _LARGE_OUTPUTS and key not in self:
+            raise KeyError(
+                f"autosp: the model's {key!r} were not returned from the sharded step: the model computed its loss "
+                f"from labels, and the {key} would be gathered whole on every rank; compute the loss inside the "
+                f"model, or call it without labels to have the {key} returned (gathered)"
+            )
         return super().__getitem__(key)
 
     def to_tuple(self) -> tuple:
         return tuple(self.values())
 
 
-def _fused_lm_head(model, labels=None, shift_labels=None, num_items_in_batch=None, **inputs) -> dict[str, torch.Tensor]:
+def _fused_settings(model) -> dict[str, Any]:
+    """The settings TRL's ``add_fused_lm_head`` closed its forward over (temperature, outputs), or
+    {} where the forward is not a closure that names them."""
+    fn = getattr(model.forward, "__func__", model.forward)
+    names, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+    return dict(zip(names.co_freevars, (c.cell_contents for c in cells))) if names is not None else {}
+
+
+def _fused_lm_head(
+    model, settings: dict, labels=None, shift_labels=None, num_items_in_batch=None, **inputs
+) -> dict[str, torch.Tensor]:
     """What TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``, at temperature 1; the
     fields of its ``FusedCausalLMOutput``) returns, from the model's own logits in plain torch
     ops: its chunked kernel writes tiles with ``out=``, which Dynamo cannot trace, and inside the
-    sharded step the logits are each rank's own rows, never whole."""
+    sharded step the logits are each rank's own rows, never whole. ``settings``: ``_fused_settings``'
+    (read before tracing: Dynamo cannot read a closure's cells)."""
+    if settings.get("temperature", 1.0) != 1.0:
+        raise NotImplementedError(
+            f"autosp: TRL's fused LM head at temperature {settings['temperature']} (GRPO, RLOO, ...) is not "
+            "reproduced inside the sharded step; only SFTTrainer's (temperature 1) is"
+        )
     out = model(**inputs, fused_lm_head=False)
     logits = out.logits.float()
     if shift_labels is None:
@@ -79,18 +101,26 @@ def _fused_lm_head(model, labels=None, shift_labels=None, num_items_in_batch=Non
     count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     loss = -log_probs.sum() / count
     fields = dict(log_probs=log_probs, entropy=entropy, is_top1=is_top1, label_mask=mask)
+    wanted = settings.get("outputs", ())
+    if "mean_logits" in wanted:
+        fields["mean_logits"] = torch.where(mask, logits.detach().mean(-1), 0.0)
+    if "log_sum_sq_probs" in wanted:
+        fields["log_sum_sq_probs"] = torch.where(
+            mask, torch.logsumexp(2 * (logits.detach() - log_z[..., None].detach()), -1), 0.0
+        )
     if out.get("aux_loss") is not None:
         loss = loss + model.config.get_text_config().router_aux_loss_coef * out.aux_loss
         fields["aux_loss"] = out.aux_loss
     return dict(loss=loss, **fields)
 
 
-def _forward(model, **inputs) -> dict[str, torch.Tensor]:
+def _forward(model, keep_logits: bool, fused: dict, **inputs) -> dict[str, torch.Tensor]:
+    """The model's outputs; the activation-sized ones only with ``keep_logits`` or no loss."""
     if inputs.pop("fused_lm_head", False):
-        return _fused_lm_head(model, **inputs)
+        return _fused_lm_head(model, fused, **inputs)
     out = model(**inputs)
     keep = {k: v for k, v in out.items() if v is not None}
-    if keep.get("loss") is not None:
+    if keep.get("loss") is not None and not keep_logits:
         keep = {k: v for k, v in keep.items() if k not in _LARGE_OUTPUTS}
     return keep
 
@@ -161,7 +191,8 @@ class _SequenceParallel:
         with self._sp_scope as m:
             self.sp_mesh = m
         self._sp_seq = seq
-        self._sp_steps: dict[int, Any] = {}
+        self._sp_steps: dict[tuple[int, bool], Any] = {}
+        self._sp_predicting = False
         # accelerate wraps a model once: marked prepared, it is not put in DDP (autosp reduces
         # the gradients over the mesh itself)
         self.model._is_accelerate_prepared = True
@@ -173,18 +204,28 @@ class _SequenceParallel:
                 self._gather_for_metrics, use_gather_object=self.args.eval_use_gather_object
             )
 
-    # the model call
-    def _sharded(self, model):
+    # the model call: one sharded step per model, and per whether its logits are returned (each
+    # compiles its own graph)
+    def _sharded(self, model, keep_logits: bool):
         model = self.accelerator.unwrap_model(model)
-        key = id(model)
+        key = (id(model), keep_logits)
         if key not in self._sp_steps:
-            step = functools.partial(_forward, model)
+            step = functools.partial(_forward, model, keep_logits, _fused_settings(model))
             self._sp_steps[key] = _shard(step, seq=self._sp_seq, **dataclasses.asdict(self._sp_options))
         return _ShardedModel(model, self._sp_steps[key])
 
-    def compute_loss(self, model, inputs, *args, **kwargs):
+    def compute_loss(self, model, inputs, return_outputs=False, *args, **kwargs):
+        # the logits come back where predictions need them (predict, compute_metrics), not for a loss
+        keep = return_outputs and self._sp_predicting
         with self._sp_scope:
-            return super().compute_loss(self._sharded(model), inputs, *args, **kwargs)
+            return super().compute_loss(self._sharded(model, keep), inputs, return_outputs, *args, **kwargs)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, *args, **kwargs):
+        self._sp_predicting = not prediction_loss_only
+        try:
+            return super().prediction_step(model, inputs, prediction_loss_only, *args, **kwargs)
+        finally:
+            self._sp_predicting = False
 
     # the data: sharded over the dp replicas, not over every process
     def _get_dataloader(self, *args, **kwargs):

@@ -22,9 +22,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from examples.train import _follow_live_tensors, _reset_peak, _rss  # the main job's RSS measure
 
 DATA = Path(__file__).resolve().parent / "sft.jsonl"
 
@@ -32,20 +34,18 @@ DATA = Path(__file__).resolve().parent / "sft.jsonl"
 def byte_tokenizer():
     """One token per byte (GPT-2's byte-to-character map, no merges), plus <pad> and <eos>."""
     import tokenizers
-    import transformers as T
 
     alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()
     vocab = {c: i for i, c in enumerate(sorted(alphabet))} | {"<pad>": len(alphabet), "<eos>": len(alphabet) + 1}
     tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
-    return T.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
 
 
 def small_llama(vocab_size: int, max_length: int):
-    import transformers as T
 
-    config = T.LlamaConfig(
+    config = transformers.LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=128,
         intermediate_size=256,
@@ -56,7 +56,7 @@ def small_llama(vocab_size: int, max_length: int):
         use_cache=False,
     )
     torch.manual_seed(0)
-    return T.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 
 def main() -> None:
@@ -123,32 +123,21 @@ def main() -> None:
         _compare(args.out, args.compare, dict(sp=sp, loss=losses, peak_bytes=peak))
 
 
-class PeakMemory:
+class PeakMemory(transformers.TrainerCallback):
     """A Trainer callback: each step's RSS high-water mark above the RSS at its start, from the
     second step on (the first compiles and allocates the optimizer state), with glibc returning
     freed memory at once (as the main job measures, ``examples/train.py``); ``peak()``: the
     median over the steps, the largest over the ranks."""
 
     def __init__(self):
-        from examples.train import _follow_live_tensors
-
         _follow_live_tensors()
         self.peaks: list[int] = []
         self.base = 0
 
-    def __getattr__(self, name):  # the TrainerCallback events this callback does not handle
-        if name.startswith("on_"):
-            return lambda *args, **kwargs: None
-        raise AttributeError(name)
-
     def on_step_begin(self, args, state, control, **kwargs):
-        from examples.train import _reset_peak
-
         self.base = _reset_peak()
 
     def on_step_end(self, args, state, control, **kwargs):
-        from examples.train import _rss
-
         if state.global_step > 1:
             self.peaks.append(_rss("VmHWM") - self.base)
 

@@ -44,6 +44,19 @@ def test_sequence_parallel_trainer_logs_the_single_process_losses_and_resumes_al
     _assert_same_losses(resumed["losses"], full["losses"], 1e-4, range(11, 21))
 
 
+def test_a_compute_loss_of_its_own_calling_the_model_positionally_matches_one_process(pools, tmp_path):
+    """A user's ``compute_loss``: ``model(input_ids, attention_mask)`` positionally, no labels, the
+    loss from the logits with the logits shifted. 5 logged losses within 1e-4 of one process's.
+    The logits then leave the sharded step whole (an all-gather the plan notes as returned):
+    exact, not split; pinned. Would catch: positional arguments unnamed (a TypeError), the logits
+    dropped as for a loss computed inside the model."""
+    one = pools(1).run(trainer_cases.train, "custom_loss", 1, str(tmp_path / "one"), 5)[0]
+    sp, _ = pools(2).run(trainer_cases.train, "custom_loss", 2, str(tmp_path / "sp"), 5)
+    _assert_same_losses(sp["losses"], one["losses"], 1e-4, range(1, 6))
+    assert any(len(shape) == 3 and to == "output" for shape, to in sp["train_plan"]["gathers"])
+    assert any("the step returns it" in n for n in sp["train_plan"]["notes"])
+
+
 @pytest.mark.parametrize("packing", [True], ids=["packed"])
 def test_sequence_parallel_sft_trainer_logs_the_single_process_losses(pools, tmp_path, packing):
     """TRL's SFTTrainer (completion-only loss through its fused LM head's outputs, computed in the
@@ -62,6 +75,7 @@ def test_sequence_parallel_sft_trainer_logs_the_single_process_losses(pools, tmp
     assert 1 <= len(plan["gathers"]) <= 4 and all(
         len(s) == 2 and s[0] == 1 and c == "output" for s, c in plan["gathers"]
     )
+    assert any("the step returns it" in n for n in plan["notes"])
 
 
 def test_sequence_parallel_trainer_refuses_what_it_cannot_run_exactly(tmp_path):

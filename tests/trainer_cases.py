@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -44,6 +45,22 @@ def _tokenizer():
     vocab = {"<pad>": 0, **{f"t{i}": i for i in range(1, VOCAB)}}
     model = tokenizers.models.WordLevel(vocab, unk_token="<pad>")
     return T.PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer(model), pad_token="<pad>", eos_token="t1")
+
+
+@functools.cache
+def logits_loss_trainer() -> type:
+    """A Trainer whose ``compute_loss`` calls the model positionally, without labels, and takes the
+    loss from the logits, shifting the logits rather than the labels (as users write it)."""
+    import transformers as T
+
+    class LogitsLossTrainer(T.Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            out = model(inputs["input_ids"], inputs["attention_mask"])
+            logits, labels = out.logits[:, :-1], inputs["labels"][:, 1:]
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+            return (loss, out) if return_outputs else loss
+
+    return LogitsLossTrainer
 
 
 def train(
@@ -89,10 +106,10 @@ def train(
         disable_tqdm=True,
     )
     train_rows, eval_rows = samples(96, 0), samples(eval_samples, 1)
-    if kind == "trainer":
+    if kind in ("trainer", "custom_loss"):
         args = T.TrainingArguments(**common, remove_unused_columns=False)
         kw = dict(train_dataset=train_rows, eval_dataset=eval_rows, data_collator=collate)
-        cls = T.Trainer
+        cls = T.Trainer if kind == "trainer" else logits_loss_trainer()
     else:
         args = trl.SFTConfig(**common, packing=packing, max_length=256, completion_only_loss=True)
         kw = dict(

@@ -206,6 +206,7 @@ def make_backend(
         local = _run(
             "localize", lambda: gathers_at_first_use(localize(graph, choice, inputs, ctx, num_fwd_outputs=outputs))
         )
+        check_same_schedule(local, None, ctx)
         notes = ("forward only (no grad): no checkpointing, no tiling",)
         notes += (lengths_note(inputs),) if to_graph is not None else ()
         plan = dataclasses.replace(plan, notes=plan.notes + notes)

@@ -94,13 +94,14 @@ def _collective_order(*graphs: fx.GraphModule) -> list[list[str]]:
     ]
 
 
-def check_same_schedule(fw: fx.GraphModule, bw: fx.GraphModule, ctx: SpContext) -> None:
-    """The partitioned graphs must issue the same collectives in the same order on every rank.
-    The per-rank graphs differ in their compute (uneven shards, ring attention's blocks), and the
-    partitioner decides per rank which graph a node goes to."""
-    order = _collective_order(fw, bw)
+def check_same_schedule(fw: fx.GraphModule, bw: fx.GraphModule | None, ctx: SpContext) -> None:
+    """The partitioned graphs (``bw`` None: a forward-only step's one graph) must issue the same
+    collectives in the same order on every rank. The per-rank graphs differ in their compute
+    (uneven shards, ring attention's blocks), and the partitioner decides per rank which graph a
+    node goes to."""
+    order = _collective_order(*(g for g in (fw, bw) if g is not None))
     digest = hashlib.sha256(repr(order).encode()).hexdigest()
-    got = _exchange(ctx, "schedule", f"{digest} {len(order[0])} {len(order[1])}")
+    got = _exchange(ctx, "schedule", f"{digest} " + " ".join(str(len(o)) for o in order))
     if got is not None and len({g.split()[0] for g in got}) != 1:
         raise PlanError(
             None,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any
 
 import torch
@@ -119,10 +120,21 @@ def _forward(model, keep_logits: bool, fused: dict, **inputs) -> dict[str, torch
     if inputs.pop("fused_lm_head", False):
         return _fused_lm_head(model, fused, **inputs)
     out = model(**inputs)
+    if not isinstance(out, dict):  # return_dict=False: a tuple, returned whole (its logits gathered)
+        return out
     keep = {k: v for k, v in out.items() if v is not None}
     if keep.get("loss") is not None and not keep_logits:
         keep = {k: v for k, v in keep.items() if k not in _LARGE_OUTPUTS}
     return keep
+
+
+def _named(forward, args: tuple, kwargs: dict) -> dict:
+    """``forward(*args, **kwargs)``'s arguments by name (those of its ``**kwargs`` among them)."""
+    sig = inspect.signature(forward)
+    out = {}
+    for name, value in sig.bind_partial(*args, **kwargs).arguments.items():
+        out.update(value if sig.parameters[name].kind is inspect.Parameter.VAR_KEYWORD else {name: value})
+    return out
 
 
 class _ShardedModel:
@@ -132,13 +144,16 @@ class _ShardedModel:
     def __init__(self, model, step):
         self._model, self._step = model, step
 
-    def __call__(self, **inputs):
+    def __call__(self, *args, **inputs):
+        if args:  # model(input_ids, attention_mask=...): named as the model's forward names them
+            inputs = _named(self._model.forward, args, inputs)
         if "flash" not in str(getattr(self._model.config, "_attn_implementation", "")):
             # padding-free batches (TRL's packing) carry the documents' bounds for flash attention's
             # varlen kernels; SDPA and eager attention read the documents from position_ids and
             # ignore these, whose sizes (the number of documents) would recompile at each batch
             inputs = {k: v for k, v in inputs.items() if k not in _FLASH_VARLEN}
-        return _Outputs(self._step(**inputs))
+        out = self._step(**inputs)
+        return _Outputs(out) if isinstance(out, dict) else out  # return_dict=False: the model's tuple
 
     def __getattr__(self, name):
         return getattr(self._model, name)
@@ -166,7 +181,7 @@ class _SequenceParallel:
 
     def __init__(self, *args, sp: int | None = None, seq: Any = True, **kwargs):
         names = Options.keys()
-        self._sp_options = Options.of(**{k: kwargs.pop(k) for k in names if k in kwargs})
+        self._sp_options = dataclasses.asdict(Options.of(**{k: kwargs.pop(k) for k in names if k in kwargs}))
         super().__init__(*args, **kwargs)
         # a model marked prepared (below) skips accelerate's wrappers: refuse what they would have done
         if self.args.bf16 or self.args.fp16:
@@ -211,7 +226,7 @@ class _SequenceParallel:
         key = (id(model), keep_logits)
         if key not in self._sp_steps:
             step = functools.partial(_forward, model, keep_logits, _fused_settings(model))
-            self._sp_steps[key] = _shard(step, seq=self._sp_seq, **dataclasses.asdict(self._sp_options))
+            self._sp_steps[key] = _shard(step, seq=self._sp_seq, **self._sp_options)
         return _ShardedModel(model, self._sp_steps[key])
 
     def compute_loss(self, model, inputs, return_outputs=False, *args, **kwargs):

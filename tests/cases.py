@@ -326,6 +326,25 @@ def _matmul_flops(fn, backward: bool = True) -> float:
     return float(sum(e.flops for e in prof.events() if e.flops and e.name in _MATMULS))
 
 
+def _square_rows(fn, L: int) -> int:
+    """The most rows of any (..., rows, L) tensor an op reads on this rank in ``fn().backward()``
+    (torch.profiler's recorded input shapes), for a sequence of L: a whole (L, L) mask has L,
+    one split by query rows its rank's share."""
+    with torch.profiler.profile(record_shapes=True) as prof:
+        fn().backward()
+    shapes = [
+        s
+        for e in prof.events()
+        if e.name not in _VIEWS  # a view of a model's buffer (GPT-2's causal bias) is no tensor of the step
+        for s in e.input_shapes
+        if len(s) == 4 and s[-1] == L
+    ]
+    return max((s[-2] for s in shapes), default=0)
+
+
+_VIEWS = {f"aten::{op}" for op in ("slice", "as_strided", "view", "expand", "select", "narrow", "alias", "unsqueeze")}
+
+
 def _against_one_device(model, ref, loss_fn, *inputs):
     """``loss_fn(model, *inputs)`` as one sharded step and ``loss_fn(ref, *inputs)`` on one
     device, a backward each: (the loss pair, each gradient's error, the sharded step, and the
@@ -666,7 +685,14 @@ def _hf_compare(model, ref, ids: torch.Tensor, labels: torch.Tensor, attention: 
             _matmul_flops(lambda: step(ids, labels, **kwargs), backward=False),
             _matmul_flops(lambda: call(ref, ids, labels, **kwargs), backward=False),
         )
-    return {"loss": (loss.item(), loss_ref.item()), "grad_err": err, "kinds": kinds, "flops": flops}
+        rows = _square_rows(lambda: step(ids, labels, **kwargs), ids.shape[1])
+    return {
+        "loss": (loss.item(), loss_ref.item()),
+        "grad_err": err,
+        "kinds": kinds,
+        "flops": flops,
+        "square_rows": rows,
+    }
 
 
 def hf_exactness(arch: str, attn: str, b: int, L: int, generic: bool = False, experts: str | None = None) -> dict:

@@ -19,7 +19,8 @@ same way and their gradient accumulators behind them, home after n steps. Under 
 queries are first moved to a zigzag (rank r runs query half-chunks r and 2n - 1 - r, an early one
 and a late one), so every rank computes about the same number of blocks; the outputs go back to
 the contiguous layout the rest of the plan uses. A mask tensor (padding, documents) is read
-whole by every rank, each block its rows and columns; the zigzag is for the causal flag only.
+by its rows where it has one per query (each rank holds its queries' rows; else whole), each block
+its rows and columns; the zigzag is for the causal flag only.
 
 The third, on a 2D sp mesh, is hybrid: all-to-alls within each sub-group of u ranks (Ulysses)
 give each rank H / u heads of the sub-group's sequence, ring attention runs across the sub-groups
@@ -40,7 +41,7 @@ from .._graph import ATTENTION_OPS, SDPA_CPU, SDPA_CPU_BACKWARD, is_attention_ba
 from ..propagate._attention import acc_dtype, blocks, halves, kv_sends, zigzag, zigzag_owner
 from ..propagate._attention import bounds as chunk_bounds
 from ..propagate._attention import ranges as query_ranges
-from ..propagate._placement import chunks
+from ..propagate._placement import chunks, is_shard
 from ._collectives import redistribute
 
 __all__ = [
@@ -58,16 +59,18 @@ __all__ = [
 ]
 
 
-def kv_gathered_attention(q, k, v, start: int, is_causal: bool, scale=None, attn_mask=None):
+def kv_gathered_attention(q, k, v, start: int, is_causal: bool, scale=None, attn_mask=None, mask_start: int = 0):
     """(out, logsumexp) of ``_scaled_dot_product_flash_attention_for_cpu`` for query rows
-    ``start ..`` of the sequence, with K and V whole (and the mask, if any, whole)."""
+    ``start ..`` of the sequence, with K and V whole (and the mask, if any, holding rows from
+    ``mask_start``: 0 whole, ``start`` this rank's rows)."""
     sq = q.shape[2]
     if sq == 0:  # a rank without tokens (the kernel divides by the row count)
         return q.new_zeros(q.shape[:3] + v.shape[3:]), q.new_zeros(
             q.shape[:3], dtype=torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
         )
     if attn_mask is not None:
-        return tuple(SDPA_CPU(q, k, v, 0.0, False, attn_mask=_rows(attn_mask, start, start + sq), scale=scale)[:2])
+        mask = _rows(attn_mask, start - mask_start, start - mask_start + sq)
+        return tuple(SDPA_CPU(q, k, v, 0.0, False, attn_mask=mask, scale=scale)[:2])
     outs = [
         SDPA_CPU(q, k[:, :, a:b], v[:, :, a:b], 0.0, c, scale=scale)[:2]
         for a, b, c in blocks(start, start + sq, 0, k.shape[2], is_causal)
@@ -81,7 +84,7 @@ def kv_gathered_attention(q, k, v, start: int, is_causal: bool, scale=None, attn
 
 
 def kv_gathered_attention_backward(
-    grad_out, q, k, v, out, lse, start: int, is_causal: bool, scale=None, attn_mask=None
+    grad_out, q, k, v, out, lse, start: int, is_causal: bool, scale=None, attn_mask=None, mask_start: int = 0
 ):
     """(grad q, grad k, grad v): grad q for this rank's rows, grad k and v partial (this rank's
     rows' contribution to every key)."""
@@ -90,9 +93,8 @@ def kv_gathered_attention_backward(
     if q.shape[2] == 0:
         return dq, dk, dv
     if attn_mask is not None:
-        return SDPA_CPU_BACKWARD(
-            grad_out, q, k, v, out, lse, 0.0, False, attn_mask=_rows(attn_mask, start, start + q.shape[2]), scale=scale
-        )
+        mask = _rows(attn_mask, start - mask_start, start - mask_start + q.shape[2])
+        return SDPA_CPU_BACKWARD(grad_out, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale)
     for a, b, c in blocks(start, start + q.shape[2], 0, k.shape[2], is_causal):
         gq, gk, gv = SDPA_CPU_BACKWARD(grad_out, q, k[:, :, a:b], v[:, :, a:b], out, lse, 0.0, c, scale=scale)
         dq = dq + gq
@@ -223,8 +225,10 @@ def _query_segments(q_like: list[torch.Tensor], S: int, n: int, rank: int, group
     return query_ranges(S, n, rank, causal), _to_zigzag(q_like, S, n, rank, group)
 
 
-def _block_mask(mask, qa: int, qb: int, a: int, b: int):
-    return None if mask is None else mask.narrow(-2, qa, qb - qa).narrow(-1, a, b - a)
+def _block_mask(mask, qa: int, qb: int, a: int, b: int, mask_start: int = 0):
+    """The mask's block for query rows ``qa..qb`` and keys ``a..b`` (global), of a mask holding
+    rows from ``mask_start`` on."""
+    return None if mask is None else mask.narrow(-2, qa - mask_start, qb - qa).narrow(-1, a, b - a)
 
 
 def _masked_lse(lse: torch.Tensor, mask) -> torch.Tensor:
@@ -253,10 +257,13 @@ def _add(acc: torch.Tensor | None, x: torch.Tensor, a: int, b: int, rows: int) -
     return acc.slice_scatter(_rows(acc, a, b) + x, 2, a, b)
 
 
-def ring_attention(q, k, v, *, S: int, rank: int, n: int, group, is_causal: bool, scale=None, attn_mask=None):
+def ring_attention(
+    q, k, v, *, S: int, rank: int, n: int, group, is_causal: bool, scale=None, attn_mask=None, mask_start: int = 0
+):
     """(out, logsumexp) of ``_scaled_dot_product_flash_attention_for_cpu`` for this rank's
     contiguous chunk of a sequence of ``S``, with q, k, v all sequence-sharded (and the mask, if
-    any, whole: each block reads its rows and columns)."""
+    any, whole or this rank's rows, from global row ``mask_start``: each block reads its rows and
+    columns)."""
     acc = acc_dtype(q.dtype)
     ranges, (qs,) = _query_segments([q], S, n, rank, group, is_causal)
     outs: list = [None] * len(qs)
@@ -271,7 +278,7 @@ def ring_attention(q, k, v, *, S: int, rank: int, n: int, group, is_causal: bool
         ka, kb = bounds[j]
         for i, ((qa, qb), qt) in enumerate(zip(ranges, qs)):
             for a, b, c in blocks(qa, qb, ka, kb, is_causal):
-                mask = _block_mask(attn_mask, qa, qb, a, b)
+                mask = _block_mask(attn_mask, qa, qb, a, b, mask_start)
                 o, s = SDPA_CPU(
                     qt, _rows(kc, a - ka, b - ka), _rows(vc, a - ka, b - ka), 0.0, c, attn_mask=mask, scale=scale
                 )[:2]
@@ -296,7 +303,21 @@ def ring_attention(q, k, v, *, S: int, rank: int, n: int, group, is_causal: bool
 
 
 def ring_attention_backward(
-    grad_out, q, k, v, out, lse, *, S: int, rank: int, n: int, group, is_causal: bool, scale=None, attn_mask=None
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    *,
+    S: int,
+    rank: int,
+    n: int,
+    group,
+    is_causal: bool,
+    scale=None,
+    attn_mask=None,
+    mask_start: int = 0,
 ):
     """(grad q, grad k, grad v) of this rank's chunks: K/V travel the ring again, and behind them
     the accumulators of their gradients, which arrive home after the last step."""
@@ -323,7 +344,7 @@ def ring_attention_backward(
                     ls[i],
                     0.0,
                     c,
-                    attn_mask=_block_mask(attn_mask, qa, qb, a, b),
+                    attn_mask=_block_mask(attn_mask, qa, qb, a, b, mask_start),
                     scale=scale,
                 )
                 dqs[i] = _add(dqs[i], d_q.to(acc), 0, qb - qa, qb - qa)
@@ -469,17 +490,18 @@ def ring_attention_op(
     scale: float | None,
     u: int,
     inner: str,
+    mask_start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, logsumexp) of this rank's chunk: ring attention over ``group`` (``u == 1``), or hybrid
-    attention with sub-groups of ``u`` (``inner`` within, ``group`` across)."""
+    attention with sub-groups of ``u`` (``inner`` within, ``group`` across; the mask whole)."""
     kw = dict(S=S, rank=rank, n=n, is_causal=is_causal, scale=scale, attn_mask=attn_mask)
     if u > 1:
         return _waited(hybrid_attention(query, key, value, u=u, inner=inner, outer=group, **kw), (query, key, value))
-    return _waited(ring_attention(query, key, value, group=group, **kw), (query, key, value))
+    return _waited(ring_attention(query, key, value, group=group, mask_start=mask_start, **kw), (query, key, value))
 
 
 @ring_attention_op.register_fake
-def _(query, key, value, attn_mask, S, rank, n, group, is_causal, scale, u, inner):
+def _(query, key, value, attn_mask, S, rank, n, group, is_causal, scale, u, inner, mask_start=0):
     return (
         query.new_empty([*query.shape[:3], value.shape[3]]),
         query.new_empty(query.shape[:3], dtype=acc_dtype(query.dtype)),
@@ -503,17 +525,18 @@ def ring_attention_backward_op(
     scale: float | None,
     u: int,
     inner: str,
+    mask_start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad query, grad key, grad value) of this rank's chunks (see ``ring_attention_op``)."""
     kw = dict(S=S, rank=rank, n=n, is_causal=is_causal, scale=scale, attn_mask=attn_mask)
     args = (grad_out, query, key, value, out, logsumexp)
     if u > 1:
         return _waited(hybrid_attention_backward(*args, u=u, inner=inner, outer=group, **kw), args)
-    return _waited(ring_attention_backward(*args, group=group, **kw), args)
+    return _waited(ring_attention_backward(*args, group=group, mask_start=mask_start, **kw), args)
 
 
 @ring_attention_backward_op.register_fake
-def _(grad_out, query, key, value, out, logsumexp, attn_mask, S, rank, n, group, is_causal, scale, u, inner):
+def _(grad_out, query, key, value, out, logsumexp, *_):
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
 
@@ -537,8 +560,12 @@ def _sequence_call(nd, s, target, args, kwargs, ctx):
     backward = is_attention_backward(target)
     S = out_vals(nd.args[1 if backward else 0])[0].shape[2]
     common = dict(is_causal=bool(a["is_causal"]), scale=a["scale"], attn_mask=a["attn_mask"])
+    start = sum(chunks(S, ctx.n)[: ctx.rank])
+    mask = 6 if backward else 3  # the mask's place among the tensor inputs, if it has one
+    # a mask split by rows (``propagate._attention._rows_mask``) holds this rank's rows
+    common.update(mask_start=start if len(s.ins) > mask and is_shard(s.ins[mask]) else 0)
     if s.kernel == Kernel.KV_GATHER:
-        common.update(start=sum(chunks(S, ctx.n)[: ctx.rank]))
+        common.update(start=start)
         fn = kv_gathered_attention_backward if backward else kv_gathered_attention
     else:
         u, inner, outer = (ctx.ulysses, ctx.inner, ctx.outer) if s.kernel == Kernel.HYBRID else (1, "", ctx.group)

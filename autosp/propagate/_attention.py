@@ -78,7 +78,7 @@ def seq_attention_ok(node, q, k) -> bool:
     both on each rank."""
     args = op_args(node)
     mask = args["attn_mask"]
-    # a mask (padding, documents) is read whole on every rank: a row per query, a column per key
+    # a mask (padding, documents): a row per query (or one for all), a column per key
     mask_ok = mask is None or (_val(mask).ndim == 4 and tuple(_val(mask).shape[-2:]) == (q.shape[2], k.shape[2]))
     return mask_ok and not args["dropout_p"] and q.shape[2] == k.shape[2]
 
@@ -93,13 +93,15 @@ def is_causal(node) -> bool:
 
 def _seq_strategies(node, q, k, v, n, backward: bool) -> list[Strategy]:
     """Sequence-sharded attention, offered wherever it is exact: ring attention, and attention
-    against all-gathered K/V (which holds whole K/V on every rank, saved for the backward). The
-    solver weighs them against Ulysses by the bytes each sends and holds."""
+    against all-gathered K/V (which holds whole K/V on every rank, saved for the backward), each
+    with a mask's rows split as the queries are (``_rows_mask``). The solver weighs them against
+    Ulysses by the bytes each sends and holds: a whole (S, S) mask on every rank is what Ulysses
+    costs under a document mask."""
     if not seq_attention_ok(node, q, k):
         return []
     fwd, bwd = ring_bytes(q, k, v, n, is_causal(node))
     s2 = shard(2)
-    m = (R,) * (len(tensor_inputs(node)) - (6 if backward else 3))  # the mask, if any: whole
+    m = _rows_mask(node, q, len(tensor_inputs(node)) - (6 if backward else 3))
     if backward:
         # the gathered K/V's gradients: partial sums over the query shards
         return [
@@ -111,6 +113,19 @@ def _seq_strategies(node, q, k, v, n, backward: bool) -> list[Strategy]:
         Strategy((s2, s2), (s2, s2, s2) + m, kernel=Kernel.RING, comm=fwd, held=kv / n),  # one chunk in flight
         Strategy((s2, s2), (s2, R, R) + m, kernel=Kernel.KV_GATHER, held=kv * (n - 1) / n),
     ]
+
+
+def _rows_mask(node, q, count: int) -> tuple:
+    """The mask's placement (if there is one) under sequence-sharded attention: a mask with a row
+    per query (a document or padding mask of shape (B, 1|H, S, S)) follows the query rows, so no
+    rank holds more than its rows of it (at 32k tokens a whole float mask is 4 GiB); a mask
+    broadcast over the queries stays whole, and so does any mask under a causal flag (the zigzag
+    moves the query rows; torch's SDPA never passes both)."""
+    if not count:
+        return ()
+    mask = _val(op_args(node)["attn_mask"])
+    rows = mask.ndim == 4 and mask.shape[2] == q.shape[2] and not is_causal(node)
+    return (shard(2) if rows else R,) + (R,) * (count - 1)
 
 
 def hybrid_strategies(node: fx.Node, A: Sets, n: int, u: int) -> list[Strategy]:

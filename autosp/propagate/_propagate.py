@@ -34,12 +34,15 @@ Key = tuple[fx.Node, int]  # a value: (producer, output index)
 class Candidates:
     """Per node: the strategies it may take, the placements each of its outputs may take
     (``reach``), and the placements along which it carries the annotated sequence (``seq``);
-    ``no_rule``: the nodes no rule knows (they run replicated)."""
+    ``no_rule``: the nodes no rule knows (they run replicated); ``rows``: values built from
+    replicated inputs that attention may read split (a mask: its rows and columns both the
+    sequence, so its size grows with the square of the length)."""
 
     strategies: dict[fx.Node, list[Strategy]] = field(default_factory=dict)
     reach: dict[Key, frozenset] = field(default_factory=dict)
     seq: dict[Key, frozenset] = field(default_factory=dict)
     no_rule: set[fx.Node] = field(default_factory=set)
+    rows: set[Key] = field(default_factory=set)
 
 
 def propagate(gm: fx.GraphModule, ctx: SpContext) -> Candidates:
@@ -47,7 +50,8 @@ def propagate(gm: fx.GraphModule, ctx: SpContext) -> Candidates:
     ``ctx.options.attention`` other than "auto" keeps only that kernel's strategies for attention
     ops; a 2D sp mesh (``ctx.ulysses`` > 1) offers hybrid attention too."""
     first = _forward(gm, ctx, {})
-    return _forward(gm, ctx, _wants(gm, first, ctx))
+    wanted, rows = _wants(gm, first, ctx)
+    return _forward(gm, ctx, wanted, rows)
 
 
 def _activation(reach: frozenset) -> bool:
@@ -113,24 +117,33 @@ def _seed(c: Candidates, node: fx.Node) -> None:
         c.seq[(node, 0)] = frozenset()
 
 
-def _forward(gm: fx.GraphModule, ctx: SpContext, wanted: dict) -> Candidates:
-    c = Candidates()
+def _forward(gm: fx.GraphModule, ctx: SpContext, wanted: dict, rows: dict | None = None) -> Candidates:
+    c = Candidates(rows={k for k, v in (rows or {}).items() if v})
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "get_attr"):
             _seed(c, node)
         elif node.op == "call_function":
-            _visit(c, node, ctx, wanted)
+            _visit(c, node, ctx, wanted, rows or {})
     return c
 
 
-def _visit(c: Candidates, node: fx.Node, ctx: SpContext, wanted: dict) -> None:
+def _rows_justified(node: fx.Node, s: Strategy, rows: dict) -> bool:
+    """A value built from replicated inputs alone (an attention mask, from positions), laid out
+    by the query rows that sequence-sharded attention asks of it: computed that way from its
+    inputs' slices, it is never whole on a rank."""
+    return all(o is None or o == R or o in rows.get((node, i), ()) for i, o in enumerate(s.outs))
+
+
+def _visit(c: Candidates, node: fx.Node, ctx: SpContext, wanted: dict, rows: dict) -> None:
     """One node of the forward sweep: its sequence provenance, strategies and reach."""
     n = ctx.n
     ins = tensor_inputs(node)
     reach = [c.reach[(u, i)] for u, i in ins]
     seq_in = [c.seq[(u, i)] for u, i in ins]
     for i, sq in enumerate(_seq_carrying(node, seq_in, ctx)):
-        c.seq[(node, i)] = sq
+        # a mask's query rows carry the sequence though it is built from positions: the solver
+        # weighs its bytes as an activation's
+        c.seq[(node, i)] = sq | rows.get((node, i), frozenset())
     read = selection_read(node)
     if read is not None:  # a selection's gradient goes back into the rows it read, as they carried it
         c.seq[(node, 0)] = c.seq[(node, 0)] | c.seq[read]
@@ -148,7 +161,7 @@ def _visit(c: Candidates, node: fx.Node, ctx: SpContext, wanted: dict) -> None:
     if strats is None:
         c.no_rule.add(node)
         strats = [Strategy(tuple(R if v is not None else None for v in out_vals(node)), tuple(R for _ in ins))]
-    strats = [s for s in strats if _justified(s, reach)]
+    strats = [s for s in strats if _justified(s, reach) or _rows_justified(node, s, rows)]
     if node.target in FILLED_FACTORIES:  # a tensor of one value, made in a sharded layout a later op
         # asks for (the zeros of a selection's gradient): a free slice, without the whole tensor
         asked = sorted((q for q in wanted.get((node, 0), ()) if is_shard(q)), key=str)
@@ -160,17 +173,42 @@ def _visit(c: Candidates, node: fx.Node, ctx: SpContext, wanted: dict) -> None:
             c.reach[(node, i)] = frozenset(s.outs[i] for s in strats)
 
 
-def _wants(gm: fx.GraphModule, c: Candidates, ctx: SpContext) -> dict:
+def _wants(gm: fx.GraphModule, c: Candidates, ctx: SpContext) -> tuple[dict, dict]:
     """Placements later ops ask of each value that propagation did not reach, carried back
-    through the ops that could produce them from another layout of their inputs."""
-    n = ctx.n
-    wanted: dict[Key, set] = defaultdict(set)
+    through the ops that could produce them from another layout of their inputs: what attention
+    heads ask (``introduces``), and the rows sequence-sharded attention asks of a mask that no
+    sharded input reached (``rows``: those requests alone, carried back the same way)."""
+    heads: dict[Key, set] = defaultdict(set)
+    masks: dict[Key, set] = defaultdict(set)
     for node, strats in c.strategies.items():
         for s in strats:
-            if s.introduces:
-                for key, q in zip(tensor_inputs(node), s.ins):
-                    if q not in c.reach[key]:
-                        wanted[key].add(q)
+            for key, q in zip(tensor_inputs(node), s.ins):
+                if q in c.reach[key]:
+                    continue
+                if s.introduces:
+                    heads[key].add(q)
+                elif s.kernel in ATTENTION_KERNELS and is_shard(q) and not _activation(c.reach[key]):
+                    masks[key].add(q)
+    heads = _carried_back(gm, c, ctx, heads)
+    masks = {
+        k: frozenset(filter(is_shard, v))
+        for k, v in _carried_back(gm, c, ctx, masks, even=False).items()
+        if not _activation(c.reach[k])
+    }
+    wanted = {k: heads.get(k, frozenset()) | masks.get(k, frozenset()) for k in heads.keys() | masks.keys()}
+    return wanted, masks
+
+
+def _blocks(size: int, sf: int, n: int) -> bool:
+    """A non-empty dim of ``size`` splits into ``sf`` blocks (each over the ranks, unevenly)."""
+    return size > 0 and size % sf == 0
+
+
+def _carried_back(gm: fx.GraphModule, c: Candidates, ctx: SpContext, wanted: dict, even: bool = True) -> dict:
+    """``wanted`` (value -> placements asked of it), with what the ops producing them would ask of
+    their own inputs to produce them (in splits that are even, unless not ``even``: a mask's rows
+    split as unevenly as the sequence does)."""
+    n = ctx.n
     for node in reversed(list(gm.graph.nodes)):
         if node.op != "call_function":
             continue
@@ -185,7 +223,7 @@ def _wants(gm: fx.GraphModule, c: Candidates, ctx: SpContext) -> dict:
                             shard(d, sf)
                             for d in range(out_vals(u)[j].ndim)
                             for sf in sorted(sfs)
-                            if can_shard(out_vals(u)[j].shape[d], sf, n)
+                            if (can_shard if even else _blocks)(out_vals(u)[j].shape[d], sf, n)
                         ]
                     )
                     for u, j in ins

@@ -57,8 +57,9 @@ class Choice:
 
 
 def _seq_scale(c: Candidates, key: Key) -> float:
-    """``SEQ_WEIGHT ** k`` for a value with k dims carrying the sequence (provenance), k <= 2."""
-    k = len({shard_spec(p)[0] for p in c.seq.get(key, ())})
+    """``SEQ_WEIGHT ** k`` for a value with k dims carrying the sequence (provenance; an attention
+    mask's rows and columns both), k <= 2."""
+    k = 2 if key in c.rows else len({shard_spec(p)[0] for p in c.seq.get(key, ())})
     return SEQ_WEIGHT ** min(k, 2)
 
 
@@ -140,6 +141,10 @@ def _flow_cost(c: Candidates, v: fx.Node, u: fx.Node, i: int, kind: str, size: f
     forbidden = 0.0
     if kind and v in c.no_rule:
         forbidden = 2 * LATENCY_BYTES if out_vals(u)[i].dtype.is_floating_point else _NO_RULE_PENALTY
+    if kind and (u, i) in c.rows:
+        # a mask is built from replicated inputs: any layout of it is free, a collective never is
+        # (its memory is counted where it is built, not where a gather would land it whole)
+        forbidden = _NO_RULE_PENALTY
     return transfer_bytes(kind, size, n) + latency + forbidden
 
 

@@ -73,13 +73,15 @@ def train(
     packing: bool = False,
     accumulate: int = 2,
     eval_samples: int = 10,
+    bf16: bool = False,
 ) -> dict:
     """``kind``: "trainer" (``transformers.Trainer``, the model's own loss from ``labels``) or "sft"
     (TRL's ``SFTTrainer``, its completion-only loss); ``sp`` 1: the class itself in one process,
     else ``sequence_parallel`` of it on every rank (sp x dp = the world). ``steps`` steps of
     ``accumulate`` micro-batches of 2 per dp replica, clipping to 1.0, cosine schedule, AdamW,
-    fp32; then an evaluation (batches of 4, ``eval_samples``). Returns the logged losses by step,
-    the evaluation loss and (sp > 1) the sharded step's collectives."""
+    fp32 (``bf16``: under the Trainer's bf16 autocast); then an evaluation (batches of 4,
+    ``eval_samples``). Returns the logged losses by step, the evaluation loss and (sp > 1) the
+    sharded step's collectives."""
     import datasets
     import hf_models
     import transformers as T
@@ -102,7 +104,7 @@ def train(
         save_strategy="steps" if save_steps else "no",
         save_steps=save_steps or 500,
         ddp_backend="gloo" if sp > 1 else None,
-        bf16=False,
+        bf16=bf16,
         disable_tqdm=True,
     )
     train_rows, eval_rows = samples(96, 0), samples(eval_samples, 1)
@@ -135,10 +137,13 @@ def train(
 
 
 def _plan(trainer) -> dict:
-    """The collectives and notes of the plan the sharded model call (the one without logits) ran last."""
+    """The collectives (their kinds, and dtypes by kind) and notes of the plan the sharded model
+    call (the one without logits) ran last."""
     step = trainer._sp_steps[(id(trainer.model), False)]
+    kinds = sorted({c.kind for c in step.plan.collectives})
     return dict(
-        kinds=sorted({c.kind for c in step.plan.collectives}),
+        kinds=kinds,
         notes=list(step.plan.notes),
         gathers=[(c.shape, c.consumer) for c in step.plan.collectives if c.kind == "all_gather"],
+        dtypes={k: sorted({c.dtype for c in step.plan.collectives if c.kind == k}) for k in kinds},
     )

@@ -16,6 +16,10 @@ against the Trainer, and why each gives the single-process step:
   processes (each sp group's sp times) and multiplies the loss by W, which together give the
   mean over dp of each replica's share, as DDP's average over W gives.
 
+- **bf16=True**: accelerate wraps a model's forward in autocast when it prepares it; the model
+  marked prepared, the sharded step runs the forward under the same autocast and returns its
+  outputs as fp32, as accelerate's wrapper does. ``fp16=True`` (loss scaling) is an error.
+
 Everything else is the Trainer's: gradient accumulation, clipping to the global norm (every rank
 holds the whole gradient), schedulers, checkpoints and resuming.
 """
@@ -115,8 +119,19 @@ def _fused_lm_head(
     return dict(loss=loss, **fields)
 
 
-def _forward(model, keep_logits: bool, fused: dict, **inputs) -> dict[str, torch.Tensor]:
-    """The model's outputs; the activation-sized ones only with ``keep_logits`` or no loss."""
+def _forward(model, keep_logits: bool, fused: dict, amp: dict | None, **inputs) -> dict[str, torch.Tensor]:
+    """The model's outputs; the activation-sized ones only with ``keep_logits`` or no loss. With
+    ``amp`` (``torch.autocast``'s arguments) the call runs under autocast and its low-precision
+    outputs come back as fp32, as accelerate wraps a model's forward for ``bf16=True``."""
+    if amp is None:
+        return _outputs(model, keep_logits, fused, **inputs)
+    with torch.autocast(**amp):
+        out = _outputs(model, keep_logits, fused, **inputs)
+    low = (torch.bfloat16, torch.float16)
+    return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.float() if t.dtype in low else t, out)
+
+
+def _outputs(model, keep_logits: bool, fused: dict, **inputs):
     if inputs.pop("fused_lm_head", False):
         return _fused_lm_head(model, fused, **inputs)
     out = model(**inputs)
@@ -176,6 +191,17 @@ def _gather_over(group, size: int, data):
     return [x for part in out for x in (part if isinstance(part, list) else [part])]
 
 
+def _autocast(accelerator) -> dict | None:
+    """``torch.autocast``'s arguments for the model's forward where accelerate's ``prepare`` would
+    have wrapped it in autocast (``bf16=True``: the model marked prepared skips that wrapper, so
+    the sharded step applies it inside), else None."""
+    if not accelerator.native_amp:
+        return None
+    handler = accelerator.autocast_handler
+    kwargs = handler.to_kwargs() if handler is not None else {}
+    return dict(device_type=accelerator.device.type, dtype=torch.bfloat16, **kwargs)
+
+
 class _SequenceParallel:
     """The mixin ``sequence_parallel`` puts in front of a Trainer class."""
 
@@ -184,11 +210,12 @@ class _SequenceParallel:
         self._sp_options = dataclasses.asdict(Options.of(**{k: kwargs.pop(k) for k in names if k in kwargs}))
         super().__init__(*args, **kwargs)
         # a model marked prepared (below) skips accelerate's wrappers: refuse what they would have done
-        if self.args.bf16 or self.args.fp16:
+        if self.args.fp16:
             raise ValueError(
-                "autosp: SequenceParallelTrainer with bf16=True / fp16=True: accelerate's autocast wrapper is not "
-                "composed with autosp yet; load the model in the dtype to train in (torch_dtype=torch.bfloat16)"
+                "autosp: SequenceParallelTrainer with fp16=True: fp16's loss scaling is not composed with autosp "
+                "yet; train with bf16=True, or load the model in the dtype to train in (torch_dtype=torch.float16)"
             )
+        self._sp_amp = _autocast(self.accelerator)
         if self.is_fsdp_enabled or self.is_deepspeed_enabled or self.args.torch_compile:
             raise ValueError(
                 "autosp: SequenceParallelTrainer with the Trainer's fsdp=, deepspeed= or torch_compile=: autosp "
@@ -225,7 +252,7 @@ class _SequenceParallel:
         model = self.accelerator.unwrap_model(model)
         key = (id(model), keep_logits)
         if key not in self._sp_steps:
-            step = functools.partial(_forward, model, keep_logits, _fused_settings(model))
+            step = functools.partial(_forward, model, keep_logits, _fused_settings(model), self._sp_amp)
             self._sp_steps[key] = _shard(step, seq=self._sp_seq, **self._sp_options)
         return _ShardedModel(model, self._sp_steps[key])
 

@@ -23,6 +23,64 @@ def test_empty_sequence_names_input_shape_and_fix(fake_world):
         _explain(lambda input_ids, labels: model(input_ids, labels), ids, ids)
 
 
+@pytest.mark.parametrize(
+    "seq, error, match",
+    [
+        ((True, True), TypeError, r"shard\(seq=\(True, True\)\).*argument name.*mapping name -> dim"),
+        ({"input_ids": True}, TypeError, r"seq takes True"),
+        ("input_id", ValueError, r"names \['input_id'\]: no argument of .*\['input_ids', 'labels'\]"),
+        ({"tokens": 1}, ValueError, r"names \['tokens'\]"),
+        (["input_ids"], None, None),  # a name of the signature: shards input_ids only
+    ],
+)
+def test_a_seq_spec_that_shards_nothing_it_names_is_an_error(fake_world, seq, error, match):
+    """Before, a tuple of flags or a misspelt name matched no argument: the step ran whole on
+    every rank, replicated, with no error."""
+    fake_world(2)
+    model = Llama(LlamaConfig())
+    ids = torch.randint(0, 256, (1, 32))
+
+    def step(input_ids, labels):
+        return model(input_ids, labels)
+
+    def explain():
+        with autosp.mesh():
+            return autosp.explain(autosp.shard(step, seq=seq, compiler="aot_eager"), ids, ids)
+
+    if error is None:
+        assert explain().collectives
+        return
+    with pytest.raises(error, match=match):
+        explain()
+
+
+def test_a_step_given_no_sequence_shaped_input_is_an_error(fake_world):
+    """seq=True shards dim 1 of tensors with two dims or more; a step given only 1-D tensors would
+    have run whole on every rank."""
+    fake_world(2)
+    model = Llama(LlamaConfig())
+    ids = torch.randint(0, 256, (32,))
+    with pytest.raises(ValueError, match=r"shards no input of .*'ids': \(32,\).*seq=\{'name': dim\}"):
+        _explain(lambda ids: model(ids[None], ids[None]), ids)
+
+
+def test_a_dict_batch_is_sharded_by_its_keys(fake_world):
+    """A step taking the batch as one dict (an HF collator's output) shards the tensors inside it:
+    with seq=True each one's dim 1, with names its keys. Before, a dict argument was passed whole."""
+    fake_world(2)
+    model = Llama(LlamaConfig())
+    ids = torch.randint(0, 256, (1, 32))
+
+    def step(batch):
+        return model(batch["input_ids"], batch["labels"])
+
+    for seq in (True, ["input_ids", "labels"], {"input_ids": 1, "labels": -1}):
+        with autosp.mesh():
+            plan = autosp.explain(autosp.shard(step, seq=seq, compiler="aot_eager"), {"input_ids": ids, "labels": ids})
+        kinds = {c.kind for c in plan.collectives}
+        assert "all_to_all" in kinds and "all_gather" not in kinds, (seq, kinds)
+
+
 def test_grouped_query_heads_not_splittable_names_attention_op_and_line(fake_world):
     """6 query heads over 4 ranks split unevenly (2, 2, 1, 1), which needs each query head's K/V
     head on its rank: with 2 K/V heads inside the op (enable_gqa) that cannot hold, and with a

@@ -22,7 +22,8 @@ def shard(fn: Callable | nn.Module | None = None, *, seq: SeqSpec = True, **opti
     current ``autosp.mesh``; as a decorator, ``@autosp.shard(seq=True, ...)``.
 
     seq: which inputs are sharded along their sequence dim: True (dim 1 of every tensor argument
-        with ndim >= 2), an argument name or list of names (dim 1), or a mapping name -> dim.
+        with ndim >= 2), an argument name or list of names (dim 1), or a mapping name -> dim;
+        tensors inside dict, list and tuple arguments count, and a dict key is a name too.
     options: the fields of ``autosp.backend.Options``: ``compiler`` ("inductor" or "aot_eager"),
         ``checkpoint`` ("auto", "none", "full", or a budget in bytes per rank for the step's peak
         beyond parameters and optimizer state: the fastest plan predicted to fit, or an error

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import MappingKey, keystr, tree_flatten, tree_flatten_with_path, tree_map_with_path
 
 from .._context import Options
 from ..errors import GraphBreakError, PlanError, RecompileLimitError, collective_error, user_frame
@@ -34,7 +34,30 @@ _SHARDS = "__autosp_fsdp_shards"  # the keyword the step receives FSDP2 shards u
 SeqSpec = bool | str | Sequence[str] | Mapping[str, int]
 
 
-def _seq_dim(seq: SeqSpec, name: str, value: Any) -> int | None:
+def seq_names(seq: Any) -> tuple[str, ...]:
+    """The argument names a ``seq`` spec names (none for True / False), or a TypeError naming the
+    spec's kinds, for a spec of any other kind (a tuple of flags would otherwise shard nothing)."""
+    if seq is True or seq is False or seq is None:
+        return ()
+    if isinstance(seq, str):
+        return (seq,)
+    if isinstance(seq, Mapping):
+        if all(isinstance(k, str) for k in seq) and all(
+            isinstance(d, int) and not isinstance(d, bool) for d in seq.values()
+        ):
+            return tuple(seq)
+    elif isinstance(seq, (Sequence, set, frozenset)) and all(isinstance(k, str) for k in seq):
+        return tuple(seq)
+    raise TypeError(
+        f"autosp: shard(seq={seq!r}): seq takes True (dim 1 of every tensor argument), an argument name, a "
+        "list of names (dim 1 of each) or a mapping name -> dim, e.g. seq=['input_ids', 'labels'] or "
+        "seq={'input_ids': 1}; name positional arguments by their parameter names"
+    )
+
+
+def _seq_dim(seq: SeqSpec, names: tuple[str, ...], value: Any) -> int | None:
+    """The sharded dim of ``value`` under ``seq``; ``names``: the argument's name, then the dict
+    keys leading to ``value`` inside it (innermost first), any of which ``seq`` may name."""
     if not isinstance(value, torch.Tensor):
         return None
     if seq is True:
@@ -44,18 +67,32 @@ def _seq_dim(seq: SeqSpec, name: str, value: Any) -> int | None:
     if isinstance(seq, str):
         seq = [seq]
     if isinstance(seq, Mapping):
-        return seq.get(name)
-    return 1 if name in seq else None
+        return next((seq[n] for n in names if n in seq), None)
+    return 1 if any(n in seq for n in names) else None
+
+
+def _bound(fn: Callable, args, kwargs) -> tuple[inspect.Signature, inspect.BoundArguments]:
+    sig = inspect.signature(fn)
+    return sig, sig.bind(*args, **kwargs)
 
 
 def _map_inputs(fn: Callable, seq: SeqSpec, args, kwargs, mark):
-    """Apply ``mark(name, value, seq_dim)`` to every tensor argument that ``seq`` shards."""
-    sig = inspect.signature(fn)
-    bound = sig.bind(*args, **kwargs)
+    """Apply ``mark(name, value, seq_dim)`` to every tensor argument that ``seq`` shards, and to
+    every tensor inside an argument that is a container (a dict batch: its keys are names too)."""
+    sig, bound = _bound(fn, args, kwargs)
 
     def one(name, value):
-        dim = _seq_dim(seq, name, value)
-        return value if dim is None else mark(name, value, dim % value.ndim)
+        def leaf(path, x):
+            keys = [k.key for k in reversed(path) if isinstance(k, MappingKey) and isinstance(k.key, str)]
+            dim = _seq_dim(seq, (*keys, name), x)
+            if dim is None:
+                return x
+            # out of range, it goes to mark as it is: _check_inputs, which runs first, refuses it
+            return mark(name + keystr(path), x, dim % x.ndim if -x.ndim <= dim < x.ndim else dim)
+
+        if isinstance(value, torch.Tensor):
+            return leaf((), value)
+        return tree_map_with_path(leaf, value)
 
     for name, param in sig.parameters.items():
         if name not in bound.arguments:
@@ -80,19 +117,44 @@ def _named_tensors(fn: Callable, args, kwargs) -> list[tuple[str, torch.Tensor]]
 
 
 def _check_inputs(fn: Callable, seq: SeqSpec, n: int, args, kwargs) -> None:
-    """Sequence dims need not divide by n (shards are then uneven, balanced), but must exist."""
+    """Sequence dims need not divide by n (shards are then uneven, balanced), but must exist; a
+    name in ``seq`` must be an argument (or a key of a dict argument), and with n > 1 the call
+    must shard some input: else the step would run whole on every rank, with no error."""
+    sharded: list[str] = []
 
     def check(name, value, dim):
-        if value.ndim <= dim or value.shape[dim] == 0:
+        if not 0 <= dim < value.ndim or value.shape[dim] == 0:
             raise PlanError(
                 None,
                 f"input {name!r} of {getattr(fn, '__qualname__', fn)} has shape {tuple(value.shape)}: "
                 f"it has no sequence dim {dim} to shard over sp={n}",
                 "pass a non-empty sequence, or name the sharded inputs and dims with shard(seq=...)",
             )
+        sharded.append(name)
         return value
 
     _map_inputs(fn, seq, args, kwargs, check)
+    sig, bound = _bound(fn, args, kwargs)
+    known = set(sig.parameters)
+    for name, value in bound.arguments.items():
+        known.update(k.key for path, _ in tree_flatten_with_path(value)[0] for k in path if isinstance(k, MappingKey))
+        if sig.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            known.update(value)
+    where = getattr(fn, "__qualname__", type(fn).__name__)
+    unknown = [k for k in seq_names(seq) if k not in known]
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
+    if unknown and not (takes_kwargs and sharded):
+        raise ValueError(
+            f"autosp: shard(seq={seq!r}) names {unknown}: no argument of {where} this call (its arguments: "
+            f"{sorted(bound.arguments)}), nor a key of a dict argument; name the arguments (or keys) to shard"
+        )
+    if n > 1 and not sharded:
+        shapes = {name: tuple(t.shape) for name, t in _named_tensors(fn, args, kwargs)}
+        raise ValueError(
+            f"autosp: shard(seq={seq!r}) shards no input of {where} (its tensors: {shapes}), so every rank "
+            "would run the whole step; pass the sequence-shaped inputs (dim 1, or name them and their dims "
+            "with seq={'name': dim})"
+        )
 
 
 def _graph_break(e: Exception) -> GraphBreakError:
@@ -186,6 +248,7 @@ class ShardedStep:
     recompile limit; each new one is logged once, with what changed."""
 
     def __init__(self, fn: Callable, seq: SeqSpec, options: Options, mesh: Callable[[], Any]):
+        seq_names(seq)
         self.fn, self.seq, self.options, self._current_mesh = fn, seq, options, mesh
         self._compiled: collections.OrderedDict[tuple, Callable] = collections.OrderedDict()
         self._fsdp_params: dict[int, FsdpParams | None] = {}

@@ -709,6 +709,37 @@ def hf_exactness(arch: str, attn: str, b: int, L: int, generic: bool = False, ex
     return _hf_compare(model, ref, ids, labels)
 
 
+def hf_moe_autocast(L: int = 64) -> dict:
+    """Mixtral with HF's "eager" experts (a linear per expert, which autocast runs in bf16), one
+    step under bf16 autocast inside the sharded step (as the Trainer's ``bf16=True``) and the same
+    on one device: the loss pair, and the autocast state each experts call ran under at run time
+    (the token-local op's kernel runs the layer outside the traced graph)."""
+    import hf_models
+
+    model = hf_models.build_generic("mixtral", "sdpa", "eager")
+    ref = copy.deepcopy(model)
+    seen = []
+
+    def record(module, args):
+        if not torch.compiler.is_compiling():
+            seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+
+    for m in model.modules():
+        if type(m).__name__.endswith("Experts"):
+            m.register_forward_pre_hook(record)
+    ids = torch.randint(0, 128, (1, L), generator=torch.Generator().manual_seed(0))
+
+    def call(m, input_ids):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return m(input_ids=input_ids, labels=input_ids).loss.float()
+
+    with autosp.mesh():
+        step = autosp.shard(lambda input_ids: call(model, input_ids), compiler="aot_eager")
+        loss = step(ids)
+        loss.backward()
+    return {"loss": (loss.item(), call(ref, ids).item()), "autocast": sorted(set(map(str, seen)))}
+
+
 def _token_losses(logits, targets):
     return torch.nn.functional.cross_entropy(
         logits.flatten(0, 1), targets.flatten(), reduction="none", ignore_index=-100

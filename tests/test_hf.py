@@ -124,6 +124,17 @@ def test_hf_moe_other_experts_implementations_split_too(pools, experts):
         assert r["kinds"] == ["all_reduce", "ring"], r["kinds"]
 
 
+def test_hf_moe_experts_run_under_the_steps_autocast(pools):
+    """The token-local experts op's kernel runs outside the traced graph, so it runs the layer
+    under the autocast the call was traced under (bf16 here, as one device runs it). Before, the
+    experts ran in fp32 under the Trainer's bf16=True: a silently different number (9.9e-6 from one
+    device's loss, against 2.2e-6 now). Both runs round in bf16, so the bound is bf16's 2^-8."""
+    for r in pools(2).run(cases.hf_moe_autocast):
+        assert r["autocast"] == ["torch.bfloat16"], r["autocast"]
+        loss, ref = r["loss"]
+        assert abs(loss - ref) <= 2**-8 * abs(ref), r["loss"]
+
+
 def test_hf_moe_runs_exact_at_lengths_of_both_parities_on_at_most_two_compiles(pools):
     """The token-local experts op on symbolic lengths (its shapes are its first input's): Mixtral
     exact at every length, at most two compiles (the first length is even), split by FLOPs of

@@ -49,16 +49,30 @@ def capture_hf_experts() -> None:
 def _experts_forward(impl, module, hidden_states, *args, **kwargs):
     if kwargs or len(args) != 2 or hidden_states.ndim != 2 or not torch.compiler.is_compiling():
         return impl(module, hidden_states, *args, **kwargs)
-    return torch.ops.autosp.token_local(_key(module, impl), 3, [hidden_states, *args, *module.parameters()])
+    device = hidden_states.device.type
+    # the op's kernel runs outside the step's autocast (it was traced into casts): it enters the
+    # autocast the call was traced under, as the layer runs on one device
+    amp = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    key = _key(module, impl, device, amp)
+    return torch.ops.autosp.token_local(key, 3, [hidden_states, *args, *module.parameters()])
 
 
 @torch._dynamo.assume_constant_result
-def _key(module, impl) -> int:
-    """The op's key for ``impl`` on ``module`` (evaluated while Dynamo traces; a constant in the graph)."""
+def _key(module, impl, device: str, amp: torch.dtype | None) -> int:
+    """The op's key for ``impl`` on ``module`` under autocast to ``amp`` (None: none), evaluated
+    while Dynamo traces (a constant in the graph)."""
     names = tuple(name for name, _ in module.named_parameters())  # the order of module.parameters()
-    return register(functools.partial(_run, module, names), (module, impl))
+    return register(functools.partial(_run, module, names, device, amp), (module, impl, device, amp))
 
 
-def _run(module, names, hidden_states, top_k_index, top_k_weights, *params):
+def _run(module, names, device, amp, hidden_states, top_k_index, top_k_weights, *params):
     # through the module's forward, outside compile: HF's dispatch picks the implementation again
-    return torch.func.functional_call(module, dict(zip(names, params)), (hidden_states, top_k_index, top_k_weights))
+    with torch.autocast(device, dtype=amp, enabled=amp is not None):
+        out = torch.func.functional_call(module, dict(zip(names, params)), (hidden_states, top_k_index, top_k_weights))
+    if out.dtype != hidden_states.dtype:
+        raise NotImplementedError(
+            f"autosp: {type(module).__name__} returned {out.dtype} from {hidden_states.dtype} hidden states (under "
+            f"autocast to {amp}); the token-local experts op returns its input's dtype: run the experts without "
+            "autocast, or in the hidden states' dtype"
+        )
+    return out

@@ -6,7 +6,7 @@ with autosp.mesh(sp=N):
         return model(input_ids=input_ids, labels=labels).loss
 """
 
-from .annotations import Config, Mesh, annotate, current_mesh, explain, load_config, mesh, shard
+from .annotations import Config, Mesh, annotate, current_mesh, explain, load_config, mesh, shard, token_local
 from .backend import Collective, Options, Plan
 from .errors import GraphBreakError, PlanError, RecompileLimitError, UnsupportedOpError
 
@@ -14,6 +14,7 @@ __all__ = [
     "mesh",
     "shard",
     "annotate",
+    "token_local",
     "explain",
     "current_mesh",
     "load_config",

@@ -740,6 +740,80 @@ def hf_moe_autocast(L: int = 64) -> dict:
     return {"loss": (loss.item(), call(ref, ids).item()), "autocast": sorted(set(map(str, seen)))}
 
 
+class TopKMoE(torch.nn.Module):
+    """A mixture-of-experts MLP as users write it: a softmax router, each token's top 2 experts,
+    no capacity limit; ``form`` the dispatch: "where" (``torch.where`` per expert, then
+    ``index_add_``), "sort" (tokens sorted by expert, ``bincount`` and ``split`` by the counts,
+    then ``index_add_``). Token-local as a whole, though no op of either dispatch is."""
+
+    def __init__(self, d: int, experts: int, hidden: int, form: str, k: int = 2):
+        super().__init__()
+        self.k, self.experts, self.form = k, experts, form
+        self.router = torch.nn.Linear(d, experts, bias=False)
+        self.w1 = torch.nn.Parameter(torch.randn(experts, d, hidden) / d**0.5)
+        self.w2 = torch.nn.Parameter(torch.randn(experts, hidden, d) / hidden**0.5)
+
+    def expert(self, e: int, x):
+        return torch.nn.functional.silu(x @ self.w1[e]) @ self.w2[e]
+
+    def forward(self, x):
+        b, s, d = x.shape
+        x = x.reshape(-1, d)
+        w, idx = self.router(x).softmax(-1).topk(self.k, dim=-1)
+        w = w / w.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        if self.form == "where":
+            for e in range(self.experts):
+                tok, slot = torch.where(idx == e)
+                out.index_add_(0, tok, self.expert(e, x[tok]) * w[tok, slot, None])
+        else:
+            flat = idx.flatten()
+            order = flat.argsort(stable=True)
+            tok = order // self.k
+            counts = torch.bincount(flat, minlength=self.experts).tolist()
+            y = torch.cat([self.expert(e, xe) for e, xe in enumerate(x[tok].split(counts))])
+            out.index_add_(0, tok, y * w.flatten()[order, None])
+        return out.view(b, s, d)
+
+
+class MoEModel(torch.nn.Module):
+    """Causal attention, then a ``TopKMoE`` (``token_local``: marked with ``autosp.token_local``),
+    and a next-token loss from the labels."""
+
+    def __init__(self, form: str, token_local: bool, d: int = 32, heads: int = 4, vocab: int = 128):
+        super().__init__()
+        self.heads = heads
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.norm = torch.nn.LayerNorm(d)
+        moe = TopKMoE(d, 4, 48, form)
+        self.moe = autosp.token_local(moe) if token_local else moe
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, ids, labels):
+        h = self.embed(ids)
+        b, s, d = h.shape
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(h).chunk(3, -1))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + self.proj(a.transpose(1, 2).reshape(b, s, d))
+        h = h + self.moe(self.norm(h))
+        logits = self.head(h)
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+
+
+def handwritten_moe(form: str, b: int, L: int) -> dict:
+    """``MoEModel`` with its MoE marked token-local: one step sharded and on one device; the
+    matmul FLOPs of the forward only (the op's backward runs the experts' forward again)."""
+    torch.manual_seed(0)
+    model = MoEModel(form, token_local=True)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (b, L), generator=torch.Generator().manual_seed(0))
+    loss, err, step, _ = _against_one_device(model, ref, lambda m, i: m(i, i), ids)
+    with autosp.mesh():
+        flops = (_matmul_flops(lambda: step(ids), backward=False), _matmul_flops(lambda: ref(ids, ids), backward=False))
+    return {"loss": loss, "grad_err": err, "flops": flops, "kinds": sorted({c.kind for c in step.plan.collectives})}
+
+
 def _token_losses(logits, targets):
     return torch.nn.functional.cross_entropy(
         logits.flatten(0, 1), targets.flatten(), reduction="none", ignore_index=-100

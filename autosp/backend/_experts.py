@@ -9,6 +9,8 @@ layer token-local; autosp trusts it of HF's own implementations only. Under auto
 call becomes ``autosp::token_local``, so each rank routes and computes its own tokens. A function
 registered under another name (``ExpertsInterface.register``) is HF's to dispatch and autosp's
 to plan op by op, as any code: it might drop tokens over a capacity, which depends on the others.
+``token_local_call`` makes the op of any module's call: HF's layers, and a user's module marked
+with ``autosp.token_local`` (``annotations._local``).
 """
 
 from __future__ import annotations
@@ -49,30 +51,42 @@ def capture_hf_experts() -> None:
 def _experts_forward(impl, module, hidden_states, *args, **kwargs):
     if kwargs or len(args) != 2 or hidden_states.ndim != 2 or not torch.compiler.is_compiling():
         return impl(module, hidden_states, *args, **kwargs)
-    device = hidden_states.device.type
+    return token_local_call(module, impl, [hidden_states, *args], lead=1)
+
+
+def token_local_call(module, identity, rows: list[torch.Tensor], lead: int) -> torch.Tensor:
+    """``module`` called on ``rows`` (token tensors, dim 0 the tokens, flattened from ``lead``
+    leading dims) as ``autosp::token_local``: its output like ``rows[0]``. ``identity``: what
+    else tells two calls apart (HF's implementation)."""
+    device = rows[0].device.type
     # the op's kernel runs outside the step's autocast (it was traced into casts): it enters the
     # autocast the call was traced under, as the layer runs on one device
     amp = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-    key = _key(module, impl, device, amp)
-    return torch.ops.autosp.token_local(key, 3, [hidden_states, *args, *module.parameters()])
+    key = _key(module, identity, device, amp, lead, len(rows))
+    return torch.ops.autosp.token_local(key, len(rows), [*rows, *module.parameters()])
 
 
 @torch._dynamo.assume_constant_result
-def _key(module, impl, device: str, amp: torch.dtype | None) -> int:
-    """The op's key for ``impl`` on ``module`` under autocast to ``amp`` (None: none), evaluated
-    while Dynamo traces (a constant in the graph)."""
+def _key(module, identity, device: str, amp: torch.dtype | None, lead: int, rows: int) -> int:
+    """The op's key for ``module`` (and ``identity``) under autocast to ``amp`` (None: none),
+    evaluated while Dynamo traces (a constant in the graph)."""
     names = tuple(name for name, _ in module.named_parameters())  # the order of module.parameters()
-    return register(functools.partial(_run, module, names, device, amp), (module, impl, device, amp))
+    run = functools.partial(_run, module, names, device, amp, lead, rows)
+    return register(run, (module, identity, device, amp, lead, rows))
 
 
-def _run(module, names, device, amp, hidden_states, top_k_index, top_k_weights, *params):
-    # through the module's forward, outside compile: HF's dispatch picks the implementation again
+def _run(module, names, device, amp, lead: int, rows: int, *tensors):
+    # through the module's forward, outside compile (HF's dispatch picks the implementation
+    # again), on this rank's tokens as one run of tokens under the leading dims
+    xs = [t.reshape(*(1,) * (lead - 1), *t.shape) for t in tensors[:rows]]
     with torch.autocast(device, dtype=amp, enabled=amp is not None):
-        out = torch.func.functional_call(module, dict(zip(names, params)), (hidden_states, top_k_index, top_k_weights))
-    if out.dtype != hidden_states.dtype:
+        out = torch.func.functional_call(module, dict(zip(names, tensors[rows:])), tuple(xs))
+    first = tensors[0]
+    if not isinstance(out, torch.Tensor) or out.shape != xs[0].shape or out.dtype != first.dtype:
+        got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
         raise NotImplementedError(
-            f"autosp: {type(module).__name__} returned {out.dtype} from {hidden_states.dtype} hidden states (under "
-            f"autocast to {amp}); the token-local experts op returns its input's dtype: run the experts without "
-            "autocast, or in the hidden states' dtype"
+            f"autosp: {type(module).__name__}, run token-local, returned {got} from {tuple(xs[0].shape)} "
+            f"{first.dtype} tokens (under autocast to {amp}); a token-local module returns one tensor shaped "
+            "and typed like its first input: return other results (an auxiliary loss) from outside it"
         )
-    return out
+    return out.reshape(first.shape)

@@ -185,16 +185,35 @@ def _add_edge(prog: _Program, c: Candidates, choose: dict, edge, j: int, n: int,
         prog.equal([(flow[(p, q)], 1.0) for p in produced if (p, q) in flow] + taken, 1.0 if is_output else 0.0)
 
 
+# ops that move tokens by data-dependent indices (an MoE layer's dispatch)
+_DISPATCH_OPS = {
+    torch.ops.aten.index_add.default,
+    torch.ops.aten.index_put.default,
+    torch.ops.aten.index.Tensor,
+    torch.ops.aten.index_select.default,
+    torch.ops.aten.nonzero.default,
+    torch.ops.aten.bincount.default,
+    torch.ops.aten.histc.default,
+}
+
+
 def _check_no_rule(c: Candidates, chosen: dict[fx.Node, Strategy]) -> None:
     """An op without a rule may read only what needs no collective to reach it replicated."""
     for nd in c.no_rule:
         for (u, i), q in zip(tensor_inputs(nd), chosen[nd].ins):
             src = chosen[u].outs[i]
             if redistribute_kind(src, q):
+                dispatch = nd.target in _DISPATCH_OPS
                 raise UnsupportedOpError(
                     nd,
                     f"no sharding rule for {nd.target}, and its input {u.name} is {src} here",
-                    "express the computation with supported ops, or pin its inputs replicated "
+                    (
+                        "if the module around it maps each token to its own output (a mixture-of-experts layer "
+                        "dispatching tokens with no capacity limit), mark it: autosp.token_local(module); else "
+                        if dispatch
+                        else ""
+                    )
+                    + "express the computation with supported ops, or pin its inputs replicated "
                     "with autosp.annotate(x, 'R') before it (costs an all-gather)",
                 )
 

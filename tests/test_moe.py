@@ -1,0 +1,59 @@
+"""Mixture-of-experts layers users write by hand (``cases.TopKMoE``): marked with
+``autosp.token_local``, each rank routes and computes its own tokens; unmarked, their dispatch
+(``torch.where``, ``index_add_``) is refused with an error that names the op and the mark."""
+
+import cases
+import pytest
+import torch
+from _checks import assert_exact, assert_matmuls_split
+
+import autosp
+
+
+@pytest.mark.parametrize("form", ["where", "sort"])
+def test_a_handwritten_topk_moe_marked_token_local_is_exact_and_split(pools, form):
+    """Softmax router, top 2, no capacity, dispatch by ``torch.where`` + ``index_add_`` or by
+    sort + ``bincount`` + ``split`` (Python counts: data-dependent code Dynamo never traces, as
+    the op runs it per rank): loss and every gradient one device's, every matmul split (the
+    experts' included), and no collective but attention's all-to-alls, the gradients' all-reduce
+    and the shifted loss's halo (one row). 2 sequences of 61 tokens: uneven shards of a flattened
+    batch."""
+    results = pools(2).run(cases.handwritten_moe, form, 2, 61)
+    assert_matmuls_split(results, 61)
+    for r in results:
+        assert_exact(r)
+        assert r["kinds"] == ["all_reduce", "all_to_all", "halo"], r["kinds"]
+
+
+def test_a_handwritten_topk_moe_unmarked_is_refused_naming_index_add_and_the_mark(fake_world):
+    """Without the mark the dispatch has no rule on sharded tokens: an error naming the op, the
+    line and ``autosp.token_local``, not a silently gathered or wrong plan."""
+    fake_world(2)
+    model = cases.MoEModel("where", token_local=False)
+    ids = torch.randint(0, 128, (1, 64))
+    with (
+        autosp.mesh(),
+        pytest.raises(
+            autosp.UnsupportedOpError, match=r"index_add.*cases\.py:\d+.*index_add_.*autosp\.token_local\(module\)"
+        ),
+    ):
+        autosp.explain(autosp.shard(lambda i: model(i, i), compiler="aot_eager"), ids)
+
+
+class _WithAuxLoss(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x), x.pow(2).mean()
+
+
+def test_token_local_refuses_a_module_that_returns_more_than_its_tokens():
+    """A module returning an auxiliary loss with its tokens (a mean over all tokens: not
+    token-local) is refused when it runs, not returned as each rank's own mean."""
+    module = autosp.token_local(_WithAuxLoss())
+    x = torch.randn(2, 5, 8)
+    assert torch.equal(module(x)[0], module.lin(x))  # outside compile: the module's own forward
+    with pytest.raises(NotImplementedError, match=r"_WithAuxLoss, run token-local, returned tuple.*auxiliary loss"):
+        torch.compile(module, backend="aot_eager", fullgraph=True)(x)

@@ -1,5 +1,6 @@
 """Graph helpers every stage uses: a node's outputs and tensor inputs, its arguments by name, its
-bytes, and which ops are attention. A leaf: it imports nothing from autosp."""
+bytes, which ops are attention, and sizes at their hints or as values of a trace in progress. A
+leaf: it imports nothing from autosp."""
 
 from __future__ import annotations
 
@@ -9,12 +10,16 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.fx.operator_schemas import normalize_function
 from torch.utils._pytree import tree_flatten
+from torch.utils._sympy.interp import sympy_interp
+from torch.utils._sympy.reference import PythonReferenceAnalysis
 
 __all__ = [
     "hint",
+    "retraced",
     "SYM_TYPES",
     "out_vals",
     "tensor_inputs",
@@ -59,8 +64,29 @@ def hint(x):
         return optimization_hint(x)
     if isinstance(x, (torch.SymFloat, torch.SymBool)):
         node = x.node
-        return node.hint if node.hint is not None else node.pytype(node.shape_env.size_hint(node.expr))
+        if node.hint is not None:
+            return node.hint
+        value = node.shape_env.size_hint(node.expr, allow_none=True)
+        if value is None:  # a data-dependent count (nonzero's) in it: torch's fallback for it
+            value = node.shape_env.optimization_hint(node.expr)
+        return node.pytype(value)
     return x
+
+
+def retraced(x):
+    """A size of the global graph as a value of the trace in progress (``make_fx`` of the per-rank
+    graph): an expression of a length the global trace made (a padding to a multiple of a
+    chunk, ``(-s) % 16``) built again from the symbols this trace tracks, which make_fx cannot
+    always do itself (it raised "PythonMod(-s50, 16) is not tracked with proxy"). Anything else
+    passes through."""
+    mode = get_proxy_mode()
+    if mode is None or not isinstance(x, torch.SymInt) or not x.node.is_symbolic():
+        return x
+    known = mode.tracer.sympy_expr_tracker
+    expr = x.node.expr
+    if expr in known or not all(sym in known for sym in expr.free_symbols):
+        return x
+    return sympy_interp(PythonReferenceAnalysis, {sym: known[sym].value for sym in expr.free_symbols}, expr)
 
 
 def out_vals(node: fx.Node) -> list:

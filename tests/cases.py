@@ -776,18 +776,27 @@ class TopKMoE(torch.nn.Module):
         return out.view(b, s, d)
 
 
-class MoEModel(torch.nn.Module):
-    """Causal attention, then a ``TopKMoE`` (``token_local``: marked with ``autosp.token_local``),
-    and a next-token loss from the labels."""
+class _PinnedMoE(TopKMoE):
+    """The layer's tokens pinned replicated (``autosp.annotate(x, "b s d")``), as the error for
+    its dispatch advises."""
 
-    def __init__(self, form: str, token_local: bool, d: int = 32, heads: int = 4, vocab: int = 128):
+    def forward(self, x):
+        return super().forward(autosp.annotate(x, "b s d"))
+
+
+class MoEModel(torch.nn.Module):
+    """Causal attention, then a ``TopKMoE``, and a next-token loss from the labels; ``mark``: the
+    MoE as it is (None), marked ``autosp.token_local`` ("token_local"), or with its tokens pinned
+    replicated ("replicated")."""
+
+    def __init__(self, form: str, mark: str | None, d: int = 32, heads: int = 4, vocab: int = 128):
         super().__init__()
         self.heads = heads
         self.embed = torch.nn.Embedding(vocab, d)
         self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
         self.norm = torch.nn.LayerNorm(d)
-        moe = TopKMoE(d, 4, 48, form)
-        self.moe = autosp.token_local(moe) if token_local else moe
+        moe = (_PinnedMoE if mark == "replicated" else TopKMoE)(d, 4, 48, form)
+        self.moe = autosp.token_local(moe) if mark == "token_local" else moe
         self.head = torch.nn.Linear(d, vocab)
 
     def forward(self, ids, labels):
@@ -801,17 +810,25 @@ class MoEModel(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
 
 
-def handwritten_moe(form: str, b: int, L: int) -> dict:
-    """``MoEModel`` with its MoE marked token-local: one step sharded and on one device; the
-    matmul FLOPs of the forward only (the op's backward runs the experts' forward again)."""
+def handwritten_moe(form: str, mark: str, b: int, L: int) -> dict:
+    """``MoEModel(form, mark)``: one step sharded and on one device; the matmul FLOPs of the
+    forward only (the token-local op's backward runs the experts' forward again), and the
+    placements of the ``nonzero`` nodes (a data-dependent count of rows)."""
     torch.manual_seed(0)
-    model = MoEModel(form, token_local=True)
+    model = MoEModel(form, mark)
     ref = copy.deepcopy(model)
     ids = torch.randint(0, 128, (b, L), generator=torch.Generator().manual_seed(0))
     loss, err, step, _ = _against_one_device(model, ref, lambda m, i: m(i, i), ids)
     with autosp.mesh():
         flops = (_matmul_flops(lambda: step(ids), backward=False), _matmul_flops(lambda: ref(ids, ids), backward=False))
-    return {"loss": loss, "grad_err": err, "flops": flops, "kinds": sorted({c.kind for c in step.plan.collectives})}
+    counts = sorted({p for name, ps in step.plan.placements.items() if name.startswith("nonzero") for p in ps})
+    return {
+        "loss": loss,
+        "grad_err": err,
+        "flops": flops,
+        "kinds": sorted({c.kind for c in step.plan.collectives}),
+        "counts": counts,
+    }
 
 
 def _token_losses(logits, targets):
@@ -1429,18 +1446,8 @@ def _compiles() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def many_lengths(
-    kind: str, lengths: list[int], limit: int = 8, dynamic: bool = True, min_tile_rows: int | None = None
-) -> dict:
-    """One sharded step of ``kind`` ("embed": an embedding and a projection with its loss; "hf_"
-    and an architecture of ``hf_models``; or a model of ``MODELS``) called with each of
-    ``lengths`` under Dynamo's recompile limit ``limit``:
-    (loss, one device's loss, worst gradient error) per call, the compiled steps autosp keeps,
-    the graphs Dynamo compiled (its count), autosp's log lines about new shapes, and each call's
-    checkpointing rung. ``min_tile_rows``: tile along the sequence from that many rows a tile
-    (``tiled``; checkpoint="full" then takes the last tiled rung)."""
-    import logging
-
+def _lengths_model(kind: str):
+    """(model, vocab, loss function) of a ``many_lengths`` kind."""
     torch.manual_seed(0)
     if kind == "embed":
         model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64))
@@ -1454,6 +1461,15 @@ def many_lengths(
 
         def fn(m, ids):
             return torch.nn.functional.cross_entropy(m(ids)[:, :-1].reshape(-1, 64), ids[:, 1:].reshape(-1))
+    elif kind == "embed_chunked":  # padded to a multiple of a chunk, then scanned within chunks (a chunked scan)
+        model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 16))
+        vocab = 64
+
+        def fn(m, ids):
+            h = m(ids)
+            b, s, d = h.shape
+            h = torch.nn.functional.pad(h, (0, 0, 0, (-s) % 16))
+            return h.view(b, -1, 16, d).cumsum(2).pow(2).mean()
     elif kind.startswith("hf_"):  # a Hugging Face causal LM ("hf_llama": its sdpa attention) and its loss
         import hf_models
 
@@ -1469,6 +1485,22 @@ def many_lengths(
         def fn(m, ids):
             return m(ids, ids)
 
+    return model, vocab, fn
+
+
+def many_lengths(
+    kind: str, lengths: list[int], limit: int = 8, dynamic: bool = True, min_tile_rows: int | None = None
+) -> dict:
+    """One sharded step of ``kind`` ("embed": an embedding and a projection with its loss; "hf_"
+    and an architecture of ``hf_models``; or a model of ``MODELS``) called with each of
+    ``lengths`` under Dynamo's recompile limit ``limit``:
+    (loss, one device's loss, worst gradient error) per call, the compiled steps autosp keeps,
+    the graphs Dynamo compiled (its count), autosp's log lines about new shapes, and each call's
+    checkpointing rung. ``min_tile_rows``: tile along the sequence from that many rows a tile
+    (``tiled``; checkpoint="full" then takes the last tiled rung)."""
+    import logging
+
+    model, vocab, fn = _lengths_model(kind)
     ref = copy.deepcopy(model)
     lines: list[str] = []
     handler = logging.Handler()

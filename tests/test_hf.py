@@ -47,6 +47,21 @@ def test_more_hf_architectures_with_an_uneven_sequence(pools, arch, attn):
         assert max(r["grad_err"].values()) <= 1e-5
 
 
+def test_falcon_h1_hybrid_attention_and_mamba_is_exact_and_split(pools):
+    """Falcon-H1 (attention and a Mamba-2 mixer side by side in each layer; its chunked scan pads
+    the length to a multiple of the chunk): exact and split by matmul FLOPs at 61 tokens on 2
+    ranks. The scan along the sequence has no rule that keeps it split: the plan gathers its
+    inputs (``explain`` names the views), pinned by the kinds. Symbolic lengths (the default)
+    compile but fail at run time in the backward ("view size is not compatible"): not run here."""
+    results = pools(2).run(cases.hf_exactness, "falcon_h1", "sdpa", 1, 61, True)
+    assert_matmuls_split(results, 61)
+    for r in results:
+        loss, ref = r["loss"]
+        assert abs(loss - ref) <= 1e-5 * abs(ref)
+        assert max(r["grad_err"].values()) <= 1e-5
+        assert r["kinds"] == ["all_gather", "all_reduce", "all_to_all", "halo", "reduce_scatter", "ring"], r["kinds"]
+
+
 @pytest.mark.parametrize(
     "arch,world,L", [(a, 2, 64) for a in MOE] + [("mixtral", 4, 64), ("qwen2_moe", 4, 61), ("olmoe", 2, 61)]
 )

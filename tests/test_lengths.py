@@ -55,6 +55,20 @@ def test_models_run_exact_at_lengths_up_and_down_on_at_most_two_compiles(pools, 
         assert mine <= 0.6 * one, r["flops"]
 
 
+def test_a_pad_to_a_multiple_of_a_chunk_runs_exact_on_symbolic_lengths(pools):
+    """``F.pad(h, (0, 0, 0, (-s) % 16))`` then ``view(b, -1, 16, d)`` and a scan within chunks (a
+    chunked scan's layout, as Mamba-2 and chunked linear attention pad): its sizes are
+    expressions of the length, which the per-rank trace builds again from the length's symbol.
+    Before, the step failed inside autosp ("PythonMod(-s50, 16) is not tracked with proxy", and
+    the pad's size read as a number). Exact at every length, split; not on one compile: the
+    view's inferred size guards the length's residue (4 graphs for these 6 lengths, pinned)."""
+    for r in pools(2).run(cases.many_lengths, "embed_chunked", [64, 37, 93, 20, 101, 58]):
+        _exact(r["steps"])
+        assert r["compiled"] == 1 and r["graphs"] <= 4, r
+        mine, one = r["flops"]
+        assert mine <= 0.7 * one, r["flops"]  # 2/3: half, and the linear's half again, recomputed
+
+
 def test_static_lengths_compile_once_each_under_the_recompile_limit(pools):
     """With dynamic=False each new length compiles a step of its own (logged once, with what
     changed), so the 4th distinct length under a recompile limit of 2 runs, exact, and a length

@@ -18,18 +18,30 @@ def test_a_handwritten_topk_moe_marked_token_local_is_exact_and_split(pools, for
     experts' included), and no collective but attention's all-to-alls, the gradients' all-reduce
     and the shifted loss's halo (one row). 2 sequences of 61 tokens: uneven shards of a flattened
     batch."""
-    results = pools(2).run(cases.handwritten_moe, form, 2, 61)
+    results = pools(2).run(cases.handwritten_moe, form, "token_local", 2, 61)
     assert_matmuls_split(results, 61)
     for r in results:
         assert_exact(r)
         assert r["kinds"] == ["all_reduce", "all_to_all", "halo"], r["kinds"]
 
 
+def test_a_handwritten_moe_pinned_replicated_runs_its_data_dependent_counts_exactly(pools):
+    """The error's other fix: the layer's tokens pinned replicated (``autosp.annotate``). Its
+    ``torch.where`` counts are data-dependent sizes (unbacked symbols), which the per-rank graph
+    reads from its own trace and no strategy shards (their split is unknown before the data).
+    Before, the step failed inside autosp ("u0 >= 0 is not tracked with proxy"). The plan gathers
+    the layer's tokens, as asked: pinned here."""
+    for r in pools(2).run(cases.handwritten_moe, "where", "replicated", 2, 61):
+        assert_exact(r)
+        assert r["counts"] == ["R"], r["counts"]
+        assert r["kinds"] == ["all_gather", "all_reduce", "all_to_all", "halo"], r["kinds"]
+
+
 def test_a_handwritten_topk_moe_unmarked_is_refused_naming_index_add_and_the_mark(fake_world):
     """Without the mark the dispatch has no rule on sharded tokens: an error naming the op, the
     line and ``autosp.token_local``, not a silently gathered or wrong plan."""
     fake_world(2)
-    model = cases.MoEModel("where", token_local=False)
+    model = cases.MoEModel("where", None)
     ids = torch.randint(0, 128, (1, 64))
     with (
         autosp.mesh(),
@@ -57,3 +69,23 @@ def test_token_local_refuses_a_module_that_returns_more_than_its_tokens():
     assert torch.equal(module(x)[0], module.lin(x))  # outside compile: the module's own forward
     with pytest.raises(NotImplementedError, match=r"_WithAuxLoss, run token-local, returned tuple.*auxiliary loss"):
         torch.compile(module, backend="aot_eager", fullgraph=True)(x)
+
+
+def test_no_strategy_shards_a_data_dependent_count():
+    """A tensor whose rows ``nonzero`` counted (an MoE's ``torch.where`` dispatch) is offered
+    sharded along them: every rule's answer is replicated there, in and out. Before, the
+    elementwise rule guarded on the count (GuardOnDataDependentSymNode) and a rule from DTensor
+    could have split rows whose per-rank count is unknown before the data."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autosp.propagate._placement import R, shard
+    from autosp.propagate._rules import strategies_for
+
+    def f(mask, w):
+        rows = torch.nonzero(mask)[:, 0]
+        return (rows.float()[:, None] * w).sum()
+
+    gm = make_fx(f, tracing_mode="symbolic")(torch.ones(8, 2, dtype=torch.bool), torch.ones(4))
+    mul = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.mul.Tensor)
+    found = strategies_for(mul, [frozenset({R, shard(0)}), frozenset({R})], 2)
+    assert [(s.outs, s.ins) for s in found] == [((R,), (R, R))]

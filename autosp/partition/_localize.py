@@ -19,11 +19,12 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make_fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._pytree import tree_map
 
 from .._context import SpContext
-from .._graph import out_vals, tensor_inputs
+from .._graph import out_vals, retraced, tensor_inputs
 from ..errors import PlanError
 from ..propagate._annotate import ANNOTATE
 from ..propagate._placement import local_shape, redistribute_kind, shard_spec
@@ -50,8 +51,9 @@ def _factory_call(nd, s, target, args, kwargs, ctx):
     if shard_spec(s.outs[0]) is None:
         return target, args, kwargs
     j = FILLED_FACTORIES[target]
-    shape = local_shape(out_vals(nd)[0].shape, s.outs[0], ctx.n, ctx.rank)
-    return target, (*args[:j], shape, *args[j + 1 :]), kwargs
+    with disable_proxy_modes_tracing():
+        shape = local_shape(out_vals(nd)[0].shape, s.outs[0], ctx.n, ctx.rank)
+    return target, (*args[:j], [retraced(x) for x in shape], *args[j + 1 :]), kwargs
 
 
 # op -> its per-rank call: (node, strategy, target, args, kwargs, ctx) -> (target, args, kwargs)
@@ -87,8 +89,12 @@ class Localizer(fx.Interpreter):
         # the per-rank nodes keep their global node's meta (module stack, forward/backward tag):
         # the checkpointing pass reads it
         with fx.traceback.set_current_meta(nd):
-            if nd.op == "call_function" and nd not in self.plan:  # a size: the global one (symbolic)
-                return nd.meta["val"]
+            if nd.op == "call_function" and nd not in self.plan:
+                # a size: the global one (symbolic), but a count a data-dependent op made (nonzero's)
+                # is this rank's own tensor's, replicated, and its symbol this trace's
+                if free_unbacked_symbols(nd.meta.get("val")):
+                    return super().run_node(nd)
+                return retraced(nd.meta["val"])
             if nd.op == "call_function":
                 return self.call(
                     nd, [self.redistributed(u, i, q) for (u, i), q in zip(tensor_inputs(nd), self.plan[nd].ins)]
@@ -115,7 +121,8 @@ class Localizer(fx.Interpreter):
         key = (u, i, q)
         if key in self.moved:
             return self.moved[key]
-        y = redistribute(self.value(u, i), p, q, ctx.n, ctx.rank, ctx.group, out_vals(u)[i].shape)
+        shape = [retraced(x) for x in out_vals(u)[i].shape]
+        y = redistribute(self.value(u, i), p, q, ctx.n, ctx.rank, ctx.group, shape)
         if redistribute_kind(p, q) == "all_to_all":
             self.moved[key] = y
         return y
@@ -127,11 +134,13 @@ class Localizer(fx.Interpreter):
             return local[0]
         s = self.plan[nd]
         args, kwargs = self._arguments(nd, local)
-        if nd.target in SHAPE_ARG:
-            shape = local_shape(out_vals(nd)[0].shape, s.outs[0], self.ctx.n, self.ctx.rank)
+        # a replicated shape with a data-dependent count is the one in the arguments (this trace's)
+        if nd.target in SHAPE_ARG and not (shard_spec(s.outs[0]) is None and free_unbacked_symbols(nd.meta["val"])):
+            with disable_proxy_modes_tracing():  # sizes of the global graph: see retraced
+                shape = local_shape(out_vals(nd)[0].shape, s.outs[0], self.ctx.n, self.ctx.rank)
             if tile is not None:
                 shape[tile[0]] = tile[1]
-            args = (args[0], shape, *args[2:])
+            args = (args[0], [retraced(x) for x in shape], *args[2:])
         target = nd.target
         override = KERNELS.get(s.kernel) or OVERRIDES.get(target)
         if override is not None:

@@ -5,14 +5,16 @@ window's fill where the output reads past the input."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import torch
 import torch.distributed._functional_collectives as funcol
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
 from .._context import Kernel
-from .._graph import out_vals
+from .._graph import out_vals, retraced
 from ..propagate._placement import chunks, offsets, shard_spec
 from ..propagate._shift import (
     Window,
@@ -198,7 +200,17 @@ def _halo_call(nd, s, target, args, kwargs, ctx):
         dim, ws, rest = concat_windows(nd)
         y = torch.cat([window_rows(x, w, ctx.n, ctx.rank, ctx.group) for x, w in zip(pieces, ws)], dim=dim)
         return (torch.roll, (y, *rest), {}) if rest[0] else (_identity, (y,), {})
-    return _identity, (shifted(args[0], window_of(nd), ctx.n, ctx.rank, ctx.group),), {}
+    return _identity, (shifted(args[0], _traced_window(nd), ctx.n, ctx.rank, ctx.group),), {}
+
+
+def _traced_window(nd) -> Window:
+    """``window_of(nd)`` worked out on the global graph's sizes off the per-rank trace, then its
+    sizes as values of that trace (``retraced``: a pad to a multiple of a chunk is an expression
+    of the length)."""
+    with disable_proxy_modes_tracing():
+        w = window_of(nd)
+    sizes = {k: retraced(getattr(w, k)) for k in ("size_in", "size_out", "offset", "extra")}
+    return dataclasses.replace(w, **sizes)
 
 
 HALO_KERNELS = {Kernel.HALO: _halo_call}

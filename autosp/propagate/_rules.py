@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from .._context import Kernel
 from .._graph import nbytes, op_args, out_vals, tensor_inputs
@@ -760,16 +761,32 @@ provenance(
 def strategies_for(node: fx.Node, A: Sets, n: int, mesh=None, provenance: bool = False) -> list[Strategy] | None:
     """All exact strategies for ``node`` given the placements its inputs can take; None when no
     rule (ours or DTensor's) knows the op. With ``provenance``, also correspondences that are not
-    executable (attention: query sequence in, query sequence out), for tracking the sequence."""
+    executable (attention: query sequence in, query sequence out), for tracking the sequence.
+
+    A dim of data-dependent size (a count ``nonzero`` made) is never sharded, in or out: how it
+    splits over the ranks is not known before the data, and no collective here moves it."""
     op = node.target
+    outs, ins = out_vals(node), [out_vals(u)[i] for u, i in tensor_inputs(node)]
+    counts = any(v is not None and free_unbacked_symbols(v.shape) for v in (*outs, *ins))
+    if counts:
+        A = [frozenset(p for p in a if not _shards_count(p, v)) for a, v in zip(A, ins)]
     if provenance and op in PROVENANCE:
-        return PROVENANCE[op](node, A, n)
-    fn = RULES.get(op)
-    if fn is not None:
-        return fn(node, A, n)
-    if _is_pointwise(op):
-        return _elementwise(node, A, n)
-    return dtensor_strategies(node, A, n, mesh)
+        found = PROVENANCE[op](node, A, n)
+    elif op in RULES:
+        found = RULES[op](node, A, n)
+    elif _is_pointwise(op):
+        found = _elementwise(node, A, n)
+    else:
+        found = dtensor_strategies(node, A, n, mesh)
+    if not counts or not found:
+        return found
+    kept = [s for s in found if not any(map(_shards_count, s.outs, outs)) and not any(map(_shards_count, s.ins, ins))]
+    return kept or None
+
+
+def _shards_count(p, v) -> bool:
+    spec = shard_spec(p) if p is not None else None
+    return spec is not None and v is not None and bool(free_unbacked_symbols(v.shape[spec[0]]))
 
 
 VIEW_OPS = {

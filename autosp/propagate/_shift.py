@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .._context import Kernel
 from .._graph import out_vals, tensor_inputs
@@ -89,8 +90,9 @@ def window_of(node: fx.Node) -> Window | None:
         size = sizes[dim]
         return Window(dim, out_vals(node.args[0])[0].shape[dim], size, -_bound(start, size, 0))
     if op is aten.constant_pad_nd.default:
-        x, pad = out_vals(node.args[0])[0], node.args[1]
-        moved = [x.ndim - 1 - i // 2 for i in range(len(pad)) if pad[i] != 0]
+        # a pad to a multiple of a chunk, ``(-s) % 16``, is a node on a symbolic length: its value
+        x, pad = out_vals(node.args[0])[0], fx.node.map_arg(node.args[1], lambda a: a.meta["val"])
+        moved = [x.ndim - 1 - i // 2 for i in range(len(pad)) if not statically_known_true(pad[i] == 0)]
         if len(set(moved)) != 1:
             return None
         dim = moved[0]

@@ -1461,14 +1461,18 @@ def _lengths_model(kind: str):
 
         def fn(m, ids):
             return torch.nn.functional.cross_entropy(m(ids)[:, :-1].reshape(-1, 64), ids[:, 1:].reshape(-1))
-    elif kind == "embed_chunked":  # padded to a multiple of a chunk, then scanned within chunks (a chunked scan)
+    elif kind in ("embed_chunked", "embed_chunked_cat"):  # padded to a multiple of a chunk (F.pad, or a cat
+        # of zeros), then scanned within chunks (a chunked scan)
         model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 16))
         vocab = 64
 
         def fn(m, ids):
             h = m(ids)
             b, s, d = h.shape
-            h = torch.nn.functional.pad(h, (0, 0, 0, (-s) % 16))
+            if kind == "embed_chunked":
+                h = torch.nn.functional.pad(h, (0, 0, 0, (-s) % 16))
+            else:
+                h = torch.cat([h, h.new_zeros(b, (-s) % 16, d)], dim=1)
             return h.view(b, -1, 16, d).cumsum(2).pow(2).mean()
     elif kind.startswith("hf_"):  # a Hugging Face causal LM ("hf_llama": its sdpa attention) and its loss
         import hf_models

@@ -55,14 +55,16 @@ def test_models_run_exact_at_lengths_up_and_down_on_at_most_two_compiles(pools, 
         assert mine <= 0.6 * one, r["flops"]
 
 
-def test_a_pad_to_a_multiple_of_a_chunk_runs_exact_on_symbolic_lengths(pools):
-    """``F.pad(h, (0, 0, 0, (-s) % 16))`` then ``view(b, -1, 16, d)`` and a scan within chunks (a
+@pytest.mark.parametrize("kind", ["embed_chunked", "embed_chunked_cat"])
+def test_a_pad_to_a_multiple_of_a_chunk_runs_exact_on_symbolic_lengths(pools, kind):
+    """``F.pad(h, (0, 0, 0, (-s) % 16))`` (or a ``torch.cat`` of zeros) then ``view(b, -1, 16, d)``
+    and a scan within chunks (a
     chunked scan's layout, as Mamba-2 and chunked linear attention pad): its sizes are
     expressions of the length, which the per-rank trace builds again from the length's symbol.
     Before, the step failed inside autosp ("PythonMod(-s50, 16) is not tracked with proxy", and
     the pad's size read as a number). Exact at every length, split; not on one compile: the
     view's inferred size guards the length's residue (4 graphs for these 6 lengths, pinned)."""
-    for r in pools(2).run(cases.many_lengths, "embed_chunked", [64, 37, 93, 20, 101, 58]):
+    for r in pools(2).run(cases.many_lengths, kind, [64, 37, 93, 20, 101, 58]):
         _exact(r["steps"])
         assert r["compiled"] == 1 and r["graphs"] <= 4, r
         mine, one = r["flops"]

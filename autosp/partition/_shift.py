@@ -197,7 +197,9 @@ def _halo_call(nd, s, target, args, kwargs, ctx):
         return functools.partial(_unfold_backward, nd, ctx=ctx), args, kwargs
     if target in (torch.ops.aten.cat.default, torch.ops.aten.roll.default):
         pieces = args[0] if target is torch.ops.aten.cat.default else [args[0]] * 2
-        dim, ws, rest = concat_windows(nd)
+        with disable_proxy_modes_tracing():
+            dim, ws, rest = concat_windows(nd)
+        ws = [_retraced_window(w) for w in ws]
         y = torch.cat([window_rows(x, w, ctx.n, ctx.rank, ctx.group) for x, w in zip(pieces, ws)], dim=dim)
         return (torch.roll, (y, *rest), {}) if rest[0] else (_identity, (y,), {})
     return _identity, (shifted(args[0], _traced_window(nd), ctx.n, ctx.rank, ctx.group),), {}
@@ -209,6 +211,10 @@ def _traced_window(nd) -> Window:
     of the length)."""
     with disable_proxy_modes_tracing():
         w = window_of(nd)
+    return _retraced_window(w)
+
+
+def _retraced_window(w: Window) -> Window:
     sizes = {k: retraced(getattr(w, k)) for k in ("size_in", "size_out", "offset", "extra")}
     return dataclasses.replace(w, **sizes)
 

@@ -58,8 +58,8 @@ def test_models_run_exact_at_lengths_up_and_down_on_at_most_two_compiles(pools, 
 @pytest.mark.parametrize("kind", ["embed_chunked", "embed_chunked_cat"])
 def test_a_pad_to_a_multiple_of_a_chunk_runs_exact_on_symbolic_lengths(pools, kind):
     """``F.pad(h, (0, 0, 0, (-s) % 16))`` (or a ``torch.cat`` of zeros) then ``view(b, -1, 16, d)``
-    and a scan within chunks (a
-    chunked scan's layout, as Mamba-2 and chunked linear attention pad): its sizes are
+    and a scan within chunks (a chunked scan's layout, as Mamba-2 and chunked linear attention
+    pad): its sizes are
     expressions of the length, which the per-rank trace builds again from the length's symbol.
     Before, the step failed inside autosp ("PythonMod(-s50, 16) is not tracked with proxy", and
     the pad's size read as a number). Exact at every length, split; not on one compile: the

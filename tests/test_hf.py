@@ -143,7 +143,8 @@ def test_hf_moe_experts_run_under_the_steps_autocast(pools):
     """The token-local experts op's kernel runs outside the traced graph, so it runs the layer
     under the autocast the call was traced under (bf16 here, as one device runs it). Before, the
     experts ran in fp32 under the Trainer's bf16=True: a silently different number (9.9e-6 from one
-    device's loss, against 2.2e-6 now: a one-off probe, "eager" experts, 2 ranks). Both runs round in bf16, so the bound is bf16's 2^-8."""
+    device's loss, against 2.2e-6 now: a one-off probe, "eager" experts, 2 ranks). Both runs round
+    in bf16, so the bound is bf16's 2^-8."""
     for r in pools(2).run(cases.hf_moe_autocast):
         assert r["autocast"] == ["torch.bfloat16"], r["autocast"]
         loss, ref = r["loss"]

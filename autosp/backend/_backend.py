@@ -38,7 +38,7 @@ from ..partition import (
 from ..propagate import propagate, solve
 from ._checks import any_rank, check_same_plan, check_same_schedule, largest_peaks
 from ._plan import Plan, build_plan
-from ._symbolic import guard_even_shards, hinted, is_symbolic, lengths_note
+from ._symbolic import every_rank_guards, guard_even_shards, hinted, is_symbolic, lengths_note
 
 __all__ = ["make_backend", "DECOMPOSITIONS"]
 
@@ -149,6 +149,33 @@ def _on_symbolic(choice, to_graph: dict | None, n: int):
     return choice
 
 
+def _localizer(graph: fx.GraphModule, inputs, outputs: int, planned, to_graph, choice, ctx: SpContext):
+    """(per_rank, tiling, guard_tiles) for ``graph``, solved as ``choice`` on ``planned`` (its
+    hinted copy, ``to_graph`` mapping its nodes to ``graph``'s; None: no tiling, as for a forward
+    only). ``per_rank(tiled=False)`` localizes ``graph`` for this rank, in ``tiling``'s tiles if
+    ``tiled``; with a symbolic length it first traces every other rank's graph too, each in its
+    own tiles (its rows are its own), for their guards (``every_rank_guards``)."""
+    tiling, guard_tiles = (
+        (None, None) if planned is None else plan_tiles(planned.graph, choice.strategy, ctx, symbolic=to_graph)
+    )
+
+    def tiles_of(c: SpContext):
+        return tiling if c.rank == ctx.rank else plan_tiles(planned.graph, choice.strategy, c, symbolic=to_graph)[0]
+
+    local_choice = _on_symbolic(choice, to_graph, ctx.n)
+
+    def trace(c: SpContext, tiled: bool) -> fx.GraphModule:
+        tiles = tiles_of(c) if tiled else None
+        return localize(graph, local_choice, inputs, c, num_fwd_outputs=outputs, tiling=tiles)
+
+    def per_rank(tiled: bool = False) -> fx.GraphModule:
+        if to_graph is not None:
+            every_rank_guards(lambda c: trace(c, tiled), ctx)
+        return gathers_at_first_use(trace(ctx, tiled))
+
+    return per_rank, tiling, guard_tiles
+
+
 def make_backend(
     mesh,
     options: Options,
@@ -163,13 +190,7 @@ def make_backend(
 
     def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs, **kwargs):
         planned, to_joint, choice, plan = _solved(joint, ctx)
-        tiling, guard_tiles = plan_tiles(planned.graph, choice.strategy, ctx, symbolic=to_joint)
-        choice = _on_symbolic(choice, to_joint, ctx.n)
-
-        def per_rank(tiling=None) -> fx.GraphModule:
-            local = localize(joint, choice, joint_inputs, ctx, num_fwd_outputs=num_fwd_outputs, tiling=tiling)
-            return gathers_at_first_use(local)
-
+        per_rank, tiling, guard_tiles = _localizer(joint, joint_inputs, num_fwd_outputs, planned, to_joint, choice, ctx)
         local = _run("localize", per_rank)
         fw, bw, ckpt = _run(
             "checkpoint",
@@ -180,7 +201,7 @@ def make_backend(
             num_fwd_outputs=num_fwd_outputs,
             every_rung=options.every_rung,
             largest=largest_peaks(ctx),
-            tiled=None if tiling is None else lambda: per_rank(tiling),
+            tiled=None if tiling is None else lambda: per_rank(tiled=True),
             tiles=tiling.count if tiling is not None else 1,
             **kwargs,
         )
@@ -200,12 +221,10 @@ def make_backend(
         """A graph without a backward (the step under ``torch.no_grad()``: evaluation), planned and
         localized as a training step's forward is, untiled and without checkpointing."""
         _, to_graph, choice, plan = _solved(graph, ctx)
-        choice = _on_symbolic(choice, to_graph, ctx.n)
         inputs = [list(example_inputs), []]  # (primals, tangents), as localize reads a joint graph's
         outputs = len(graph.graph.output_node().args[0])
-        local = _run(
-            "localize", lambda: gathers_at_first_use(localize(graph, choice, inputs, ctx, num_fwd_outputs=outputs))
-        )
+        per_rank, _, _ = _localizer(graph, inputs, outputs, None, to_graph, choice, ctx)
+        local = _run("localize", per_rank)
         check_same_schedule(local, None, ctx)
         notes = ("forward only (no grad): no checkpointing, no tiling",)
         notes += (lengths_note(inputs),) if to_graph is not None else ()

@@ -659,7 +659,9 @@ def drawn_reduction_exactness(op: str, dims, keepdim: bool, L: int) -> dict:
     }
 
 
-def _hf_compare(model, ref, ids: torch.Tensor, labels: torch.Tensor, attention: str = "auto", **kwargs) -> dict:
+def _hf_compare(
+    model, ref, ids: torch.Tensor, labels: torch.Tensor, attention: str = "auto", dynamic: bool = False, **kwargs
+) -> dict:
     """Train one step of an HF causal LM through autosp and the same on one device; the loss pair,
     each gradient's relative error (``_grad_errors``: an attention key bias's gradient is zero in
     exact arithmetic, softmax ignoring a shift of every score in a row), the plan's collective
@@ -674,6 +676,7 @@ def _hf_compare(model, ref, ids: torch.Tensor, labels: torch.Tensor, attention: 
             lambda input_ids, labels, **kw: call(model, input_ids, labels, **kw),
             compiler="aot_eager",
             attention=attention,
+            dynamic=dynamic,
         )
         loss = step(ids, labels, **kwargs)
         loss.backward()
@@ -695,9 +698,11 @@ def _hf_compare(model, ref, ids: torch.Tensor, labels: torch.Tensor, attention: 
     }
 
 
-def hf_exactness(arch: str, attn: str, b: int, L: int, generic: bool = False, experts: str | None = None) -> dict:
+def hf_exactness(
+    arch: str, attn: str, b: int, L: int, generic: bool = False, experts: str | None = None, dynamic: bool = False
+) -> dict:
     """A Hugging Face causal LM, unmodified, with the loss it computes from ``labels`` (``experts``:
-    a mixture-of-experts model's experts implementation)."""
+    a mixture-of-experts model's experts implementation; ``dynamic``: a symbolic length)."""
     import hf_models
 
     model = hf_models.build_generic(arch, attn, experts) if generic else hf_models.build(arch, attn)
@@ -706,7 +711,7 @@ def hf_exactness(arch: str, attn: str, b: int, L: int, generic: bool = False, ex
     ids = torch.randint(0, 128, (b, L), generator=g)
     labels = ids.clone()
     labels[:, : L // 4] = -100
-    return _hf_compare(model, ref, ids, labels)
+    return _hf_compare(model, ref, ids, labels, dynamic=dynamic)
 
 
 def hf_moe_autocast(L: int = 64) -> dict:

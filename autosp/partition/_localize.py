@@ -19,6 +19,7 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch._prims_common import is_contiguous_or_false
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make_fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._pytree import tree_map
@@ -56,10 +57,27 @@ def _factory_call(nd, s, target, args, kwargs, ctx):
     return target, (*args[:j], [retraced(x) for x in shape], *args[j + 1 :]), kwargs
 
 
+def _pad_call(nd, s, target, args, kwargs, ctx):
+    """A pad of symbolic size on an input not known contiguous, made contiguous after (a copy).
+    Where no pad is positive (a chunk pad's backward: ``[0, 0, -p, 0]``), eager torch returns
+    the input narrowed and copied in its own layout, but the trace's meta on a symbolic pad
+    (torch's reference) a contiguous tensor: the per-rank graph's later views read the trace's
+    strides, and failed at run time ("view size is not compatible", Falcon-H1's backward)."""
+    x, pad = args[0], args[1]
+    if not any(isinstance(p, torch.SymInt) for p in pad) or is_contiguous_or_false(x):
+        return target, args, kwargs
+
+    def pad_contiguous(*a, **k):
+        return aten.clone.default(target(*a, **k), memory_format=torch.contiguous_format)
+
+    return pad_contiguous, args, kwargs
+
+
 # op -> its per-rank call: (node, strategy, target, args, kwargs, ctx) -> (target, args, kwargs)
 OVERRIDES = {
     aten.native_dropout.default: dropout_call,
     REDUCE: fsdp_reduce_call,
+    aten.constant_pad_nd.default: _pad_call,
     **dict.fromkeys(FILLED_FACTORIES, _factory_call),
 }
 # strategy kernel -> its per-rank call

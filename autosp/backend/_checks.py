@@ -43,10 +43,15 @@ def _exchange(ctx: SpContext, kind: str, value: str) -> list[str] | None:
     try:
         store.wait(ranks, base.timeout)
     except RuntimeError as e:
+        missing = [r for r in ranks if not store.check([r])]
         raise PlanError(
             None,
-            f"not every rank of the sp group compiled this step within {base.timeout} ({e})",
-            "call the sharded step on every rank of the group, with the same arguments",
+            f"not every rank of the sp group compiled this step within {base.timeout}: rank(s) "
+            f"{', '.join(missing)} did not reach this rank's compile number {k} of the group "
+            f"(at {kind!r}; {str(e).strip().splitlines()[0][:200]})",
+            "call the sharded step on every rank of the group, with the same arguments; if every "
+            "rank did, a rank compiled a different number of times (a guard that failed on some "
+            "ranks only): TORCH_LOGS=recompiles on each rank names the guard; please report it",
         ) from e
     return [store.get(r).decode() for r in ranks]
 

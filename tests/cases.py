@@ -1498,7 +1498,12 @@ def _lengths_model(kind: str):
 
 
 def many_lengths(
-    kind: str, lengths: list[int], limit: int = 8, dynamic: bool = True, min_tile_rows: int | None = None
+    kind: str,
+    lengths: list[int],
+    limit: int = 8,
+    dynamic: bool = True,
+    min_tile_rows: int | None = None,
+    checkpoint: str | int | None = None,
 ) -> dict:
     """One sharded step of ``kind`` ("embed": an embedding and a projection with its loss; "hf_"
     and an architecture of ``hf_models``; or a model of ``MODELS``) called with each of
@@ -1506,7 +1511,8 @@ def many_lengths(
     (loss, one device's loss, worst gradient error) per call, the compiled steps autosp keeps,
     the graphs Dynamo compiled (its count), autosp's log lines about new shapes, and each call's
     checkpointing rung. ``min_tile_rows``: tile along the sequence from that many rows a tile
-    (``tiled``; checkpoint="full" then takes the last tiled rung)."""
+    (``tiled``; checkpoint="full" then takes the last tiled rung). ``checkpoint``: the policy
+    (by default "auto", or "full" with ``min_tile_rows``)."""
     import logging
 
     model, vocab, fn = _lengths_model(kind)
@@ -1516,7 +1522,9 @@ def many_lengths(
     handler.emit = lambda record: lines.append(record.getMessage())
     logging.getLogger("autosp").addHandler(handler)
     steps, rungs, flops, before = [], [], [], _compiles()
-    checkpoint = "auto" if min_tile_rows is None else "full"
+    if checkpoint is None:
+        checkpoint = "auto" if min_tile_rows is None else "full"
+    notes: list[tuple[str, ...]] = []
 
     def run():
         with torch._dynamo.config.patch(recompile_limit=limit), autosp.mesh():
@@ -1530,6 +1538,7 @@ def many_lengths(
                 loss = step(ids)
                 loss.backward()
                 rungs.append(step.plan.checkpoint.chosen)
+                notes.append(step.plan.notes)
                 loss_ref = fn(ref, ids)
                 loss_ref.backward()
                 steps.append((loss.item(), loss_ref.item(), max(_grad_errors(model, ref).values())))
@@ -1546,5 +1555,6 @@ def many_lengths(
         "graphs": _compiles() - before,
         "log": [m for m in lines if "new input shapes" in m or "compiling the step again" in m],
         "rungs": rungs,
+        "notes": notes,
         "flops": flops,  # matmul FLOPs at the last length: this rank's, one device's
     }

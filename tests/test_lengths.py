@@ -145,3 +145,21 @@ def test_ring_attention_plans_on_a_symbolic_length(fake_world):
     kinds = Counter(c.kind for c in plans[True].collectives)
     assert kinds == Counter(c.kind for c in plans[False].collectives) and kinds["ring"] > 0, kinds
     assert plans[True].comm_bytes == pytest.approx(plans[False].comm_bytes, rel=1e-9)
+
+
+def test_a_budget_takes_at_each_length_the_rung_a_static_compile_takes_on_a_compile_per_rung(pools):
+    """``checkpoint=<bytes>`` on a symbolic length: the rung is the one a static compile at that
+    length takes (the budget's peaks of every rung are read at other lengths from the same
+    graphs, on every rank, and the compile guarded to the lengths its rung holds for), on one
+    compile per rung (3 here, one of them the odd lengths'), not one per length (6); exact.
+    Before, the ranks built checkpointing ladders of different lengths (their per-rank graphs
+    differ on a symbolic length) and the step stopped with a PlanError; and the rung of the
+    first length ran at every length, past the budget at longer ones."""
+    lengths, budget = [256, 250, 200, 120, 264, 256, 201], 1_100_000
+    symbolic = pools(2).run(cases.many_lengths, "llama", lengths, 8, True, None, budget)
+    static = pools(2).run(cases.many_lengths, "llama", lengths, 8, False, None, budget)
+    for r, s in zip(symbolic, static):
+        _exact(r["steps"])
+        assert r["rungs"] == s["rungs"] and len(set(r["rungs"])) == 3, (r["rungs"], s["rungs"])
+        assert (r["compiled"], r["graphs"], s["graphs"]) == (1, 3, 6), r
+        assert all(any("checkpoint budget: rung" in n for n in notes) for notes in r["notes"]), r["notes"]

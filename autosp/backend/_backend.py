@@ -36,9 +36,9 @@ from ..partition import (
     replicate_kv_heads,
 )
 from ..propagate import propagate, solve
-from ._checks import any_rank, check_same_plan, check_same_schedule, largest_peaks
+from ._checks import any_rank, check_same_plan, check_same_schedule, largest_peaks, smallest_over_ranks
 from ._plan import Plan, build_plan
-from ._symbolic import every_rank_guards, guard_even_shards, hinted, is_symbolic, lengths_note
+from ._symbolic import every_rank_guards, guard_budget_lengths, guard_even_shards, hinted, is_symbolic, lengths_note
 
 __all__ = ["make_backend", "DECOMPOSITIONS"]
 
@@ -201,6 +201,7 @@ def make_backend(
             num_fwd_outputs=num_fwd_outputs,
             every_rung=options.every_rung,
             largest=largest_peaks(ctx),
+            smallest=None if to_joint is None else smallest_over_ranks(ctx),
             tiled=None if tiling is None else lambda: per_rank(tiled=True),
             tiles=tiling.count if tiling is not None else 1,
             **kwargs,
@@ -210,7 +211,8 @@ def make_backend(
         if to_joint is not None and any_rank(ctx, "tiles", ckpt.weighs_tiles):
             guard_tiles()
         check_same_schedule(fw, bw, ctx)
-        notes = plan.notes + ((lengths_note(joint_inputs),) if to_joint is not None else ())
+        budget = guard_budget_lengths(ckpt, joint_inputs)  # before the note, which reads the guards
+        notes = plan.notes + ((lengths_note(joint_inputs),) if to_joint is not None else ()) + budget
         plan = dataclasses.replace(plan, memory=ckpt.memory, checkpoint=ckpt, notes=notes)
         plans[:] = [plan]
         if on_plan is not None:

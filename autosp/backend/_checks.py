@@ -21,7 +21,7 @@ from ..errors import PlanError
 from ..partition._fsdp import FSDP_OPS
 from ._plan import Plan
 
-__all__ = ["check_same_plan", "check_same_schedule", "largest_peaks", "any_rank"]
+__all__ = ["check_same_plan", "check_same_schedule", "largest_peaks", "smallest_over_ranks", "any_rank"]
 
 log = logging.getLogger("autosp")
 
@@ -61,6 +61,23 @@ def any_rank(ctx: SpContext, kind: str, flag: bool) -> bool:
     this once per compile, at the same point)."""
     got = _exchange(ctx, kind, "1" if flag else "0")
     return flag if got is None else "1" in got
+
+
+def smallest_over_ranks(ctx: SpContext):
+    """A function of this rank's list of ints that returns, per item, the least over the sp
+    ranks: [] where any rank's list is empty or their lengths differ (each rank calls it once
+    per compile, at the same point)."""
+
+    def smallest(values: list[int]) -> list[int]:
+        got = _exchange(ctx, "smallest", ",".join(map(str, values)))
+        if got is None:
+            return values
+        per_rank = [[int(x) for x in v.split(",")] if v else [] for v in got]
+        if len({len(p) for p in per_rank}) != 1:
+            return []
+        return [min(column) for column in zip(*per_rank)]
+
+    return smallest
 
 
 def largest_peaks(ctx: SpContext):

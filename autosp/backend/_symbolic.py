@@ -30,7 +30,7 @@ from torch.utils._sympy.numbers import int_oo
 from .._graph import SYM_TYPES, hint, out_vals, tensor_inputs
 from ..propagate._placement import shard_spec
 
-__all__ = ["is_symbolic", "hinted", "lengths_note", "guard_even_shards", "every_rank_guards"]
+__all__ = ["is_symbolic", "hinted", "lengths_note", "guard_even_shards", "every_rank_guards", "guard_budget_lengths"]
 
 
 def _symbolic_value(v) -> bool:
@@ -128,3 +128,34 @@ def every_rank_guards(trace: Callable, ctx) -> None:
     for rank in range(ctx.n):
         if rank != ctx.rank:
             trace(dataclasses.replace(ctx, rank=rank))
+
+
+def guard_budget_lengths(ckpt, joint_inputs) -> tuple[str, ...]:
+    """Guard a compile under a ``checkpoint=`` budget to the lengths its rung holds for
+    (``Checkpoint.lengths``): a length whose peak the rung would take past the budget, or at
+    which a rung that recomputes less fits, compiles again (once per rung, never per length).
+    The note for the plan, or none."""
+    if ckpt.lengths is None:
+        return ()
+    symbol, lo, hi = ckpt.lengths
+    length = next(
+        (
+            d
+            for t in tree_leaves(joint_inputs)
+            if isinstance(t, torch.Tensor)
+            for d in t.shape
+            if isinstance(d, torch.SymInt) and d.node.expr == symbol
+        ),
+        None,
+    )
+    if length is None or (lo is None and hi is None):
+        return ()
+    if lo is not None:
+        torch._check(length >= lo)
+    if hi is not None:
+        torch._check(length <= hi)
+    span = f"{lo if lo is not None else 2}..{hi if hi is not None else 'any'}"
+    return (
+        f"checkpoint budget: rung {ckpt.chosen!r} is the budget's at lengths {symbol} = {span}; "
+        "another length compiles again",
+    )

@@ -31,6 +31,7 @@ one:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 import re
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 from torch._functorch import partitioners
+from torch.fx.experimental.symbolic_shapes import free_symbols
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .._context import check_policy
@@ -47,7 +49,7 @@ from .._graph import hint, is_attention, is_attention_backward, op_args, out_byt
 from ..errors import PlanError
 from ._fsdp import GATHER as _FSDP_GATHER
 from ._fsdp import fsdp_tags
-from ._memory import MemoryEstimate, estimate_memory
+from ._memory import MemoryEstimate, at_length, estimate_memory
 
 __all__ = ["Checkpoint", "Rung", "RungSpec", "checkpoint_partition", "select"]
 
@@ -125,6 +127,9 @@ class Checkpoint:
     rung: Rung
     rungs: tuple[Rung, ...]
     weighs_tiles: bool = False
+    # a budget on a symbolic length: (the length's symbol, lo, hi), the lengths at which the
+    # rung taken is the one the budget takes (None: no bound that side); the caller guards them
+    lengths: tuple | None = None
 
     @property
     def chosen(self) -> str:
@@ -150,6 +155,8 @@ def select(policy, rungs: list[Rung], peaks: list[int] | None = None) -> Rung:
     if policy == "auto":
         fits = [r for r in rungs if r.overhead <= AUTO_OVERHEAD] or rungs[:1]
         return min(fits, key=lambda r: (r.memory.peak, r.overhead))
+    # a budget: the first rung that fits (the ladder recomputes more at each rung), by index, so
+    # that every rank takes the same one (each holds its own rungs against the ranks' largest peaks)
     peak = dict(zip(map(id, rungs), peaks or [r.memory.peak for r in rungs]))
     fits = [r for r in rungs if peak[id(r)] <= policy]
     if not fits:
@@ -162,7 +169,7 @@ def select(policy, rungs: list[Rung], peaks: list[int] | None = None) -> Rung:
             f"needs most; here: {smallest.memory})",
             f"pass checkpoint={need} or more, use more sp ranks, or a shorter sequence",
         )
-    return min(fits, key=lambda r: (r.recompute, peak[id(r)]))
+    return fits[0]
 
 
 def _region(nd: fx.Node) -> str | None:
@@ -328,13 +335,10 @@ def _layer_tags(
 
     rungs: list[tuple[RungSpec, Tags]] = [(RungSpec("none"), {})]
     ratios = sorted({float(f"{r:.2g}") for r in per_byte.values()})
+    # RUNGS of them on every rank, repeats kept: ranks whose graphs differ (uneven shards) build
+    # ladders of one length, which a budget compares rung by rung over the ranks
     thresholds = (
-        sorted(
-            {
-                ratios[min(len(ratios) - 1, math.ceil(q * len(ratios)) - 1)]
-                for q in [(k + 1) / RUNGS for k in range(RUNGS)]
-            }
-        )
+        [ratios[min(len(ratios) - 1, math.ceil(q * len(ratios)) - 1)] for q in [(k + 1) / RUNGS for k in range(RUNGS)]]
         if ratios
         else []
     )
@@ -409,6 +413,71 @@ def _settled(policy, rung: Rung) -> bool:
     return isinstance(policy, int) and rung.memory.peak <= policy
 
 
+# the longest length a budget's rung is searched to: beyond it, no bound
+LONGEST = 1 << 26
+
+
+def _length_symbol(fw: fx.GraphModule) -> tuple | None:
+    """(symbol, hint) of the one symbol in the sizes of ``fw``'s inputs (a symbolic length), or
+    None (static sizes, or several symbols: a data-dependent count's besides the length)."""
+    symbols, shape_env = set(), None
+    for nd in fw.graph.find_nodes(op="placeholder"):
+        v = nd.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            symbols |= free_symbols(v)
+            shape_env = shape_env or next((d.node.shape_env for d in v.shape if isinstance(d, torch.SymInt)), None)
+    if len(symbols) != 1 or shape_env is None:
+        return None
+    (symbol,) = symbols
+    value = shape_env.var_to_val.get(symbol)
+    return None if value is None else (symbol, int(value))
+
+
+def _fit_limit(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, budget: int, symbol, start: int) -> int:
+    """The longest length (from ``start`` up, or down to 2) at which this rank's predicted peak
+    of the rung partitioned as (``fw``, ``bw``) fits ``budget``: 1 if none does, ``LONGEST`` if
+    every one does up to it. The peak grows with the length (sizes are linear in it, but for
+    a chunk pad's steps), so the search halves an interval."""
+
+    def fits(length: int) -> bool:
+        return estimate_memory(fw, bw, num_fwd_outputs, at_length(symbol, length)).peak <= budget
+
+    lo, hi = (start, 2 * start) if fits(start) else (1, start)
+    while lo == hi // 2 and fits(hi):  # doubling while it fits
+        if hi >= LONGEST:
+            return LONGEST
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _budget_lengths(results, rung: Rung, budget: int, num_fwd_outputs: int, smallest) -> tuple | None:
+    """A budget's rung on a symbolic length: (symbol, lo, hi), the lengths at which it is the
+    rung the budget takes on every rank (its peak fits up to hi on the rank that needs most; no
+    rung before it fits from lo on), or None (no single length symbol, or
+    peaks that do not grow with it). ``smallest``: per rung, the least over the sp ranks (an
+    exchange every rank makes; an empty list where this rank has no bound to offer)."""
+    found = _length_symbol(results[0][1])
+    limits = []
+    if found is not None:
+        symbol, start = found
+        try:
+            limits = [_fit_limit(fw, bw, num_fwd_outputs, budget, symbol, start) for _, fw, bw in results]
+        except TypeError:  # a size with another symbol in it (the graphs' inputs have one only)
+            limits = []
+    limits = smallest(limits)
+    if not limits or found is None:
+        return None
+    i = next(j for j, (r, _, _) in enumerate(results) if r is rung)
+    lo = max(limits[:i]) + 1 if i else None  # the rungs before it: preferred where they fit
+    hi = limits[i] if limits[i] < LONGEST else None
+    if (lo is not None and lo > start) or (hi is not None and hi < start):
+        return None
+    return symbol, lo, hi
+
+
 def _drop_dead_collectives(gm: fx.GraphModule) -> None:
     """Remove collectives whose result nothing reads. The partitioner can carry the loss's
     all-reduce into the backward with the recomputed loss ops (a wait is never dead code to fx),
@@ -452,10 +521,16 @@ class _Partitioner:
 
 def _climb(ladder: _Ladder, rungs, partition: _Partitioner, policy, every_rung: bool):
     """The rungs partitioned from the one that recomputes least, until the policy is settled
-    (all of them with ``every_rung``): ([(Rung, forward, backward)], settled)."""
+    (all of them with ``every_rung``): ([(Rung, forward, backward)], settled). A rung that tags
+    what one before it does is skipped, but under a budget (compared rung by rung over the
+    ranks), where it repeats that one's result."""
     results, seen, settled = [], [], False
     for spec, tags in rungs:
-        if tags in seen:  # a rung that tags nothing more than the one before it
+        if tags in seen:  # a rung that tags nothing more than one before it
+            if isinstance(policy, int):
+                rung, fw, bw = results[seen.index(tags)]
+                results.append((dataclasses.replace(rung, spec=spec), fw, bw))
+                seen.append(tags)
             continue
         seen.append(tags)
         results.append(partition(ladder, spec, tags))
@@ -473,6 +548,7 @@ def checkpoint_partition(
     num_fwd_outputs: int,
     every_rung: bool = False,
     largest=None,
+    smallest=None,
     tiled: Callable[[], fx.GraphModule] | None = None,
     tiles: int = 1,
     **kwargs,
@@ -485,7 +561,9 @@ def checkpoint_partition(
     different peaks, and every rank must take the same decision, or raise the same error.
     ``tiled``: makes the same graph tiled in ``tiles`` along the sequence (``_tiling``); its "full"
     and "full + loss" rungs end the ladder, evaluated when the policy may want less memory than
-    the untiled "full" gives."""
+    the untiled "full" gives. ``smallest``, on a symbolic length: per rung, the least of a value
+    over the ranks; with it, a budget's decision says the lengths it holds for
+    (``Checkpoint.lengths``, ``_budget_lengths``)."""
     check_policy(policy)
     every_rung = every_rung or isinstance(policy, int)
     ladder = _Ladder.of(gm)
@@ -509,7 +587,12 @@ def checkpoint_partition(
         ]
     evaluated = [r for r, _, _ in results]
     peaks = [r.memory.peak for r in evaluated]
-    rung = select(policy, evaluated, largest(peaks) if largest is not None and isinstance(policy, int) else peaks)
+    if largest is not None and isinstance(policy, int):
+        peaks = largest(peaks)
+    rung = select(policy, evaluated, peaks)
     _, fw, bw = next(r for r in results if r[0] is rung)
+    lengths = None
+    if smallest is not None and isinstance(policy, int):
+        lengths = _budget_lengths(results, rung, policy, num_fwd_outputs, smallest)
     name = f"{policy} bytes" if isinstance(policy, int) else policy
-    return fw, bw, Checkpoint(name, rung, tuple(evaluated), weighs_tiles)
+    return fw, bw, Checkpoint(name, rung, tuple(evaluated), weighs_tiles, lengths)

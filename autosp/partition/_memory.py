@@ -18,8 +18,10 @@ measured), nor Inductor's fusions, which only remove intermediates.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import sympy
 import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_leaves
@@ -27,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 from .._graph import hint, op_args
 from ._attention import RING, RING_BACKWARD
 
-__all__ = ["MemoryEstimate", "estimate_memory", "graph_peak"]
+__all__ = ["MemoryEstimate", "estimate_memory", "graph_peak", "at_length"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,14 +57,31 @@ class MemoryEstimate:
         )
 
 
-def _nbytes(v) -> int:
+def _nbytes(v, read: Callable = hint) -> int:
+    """``v``'s bytes, its size read with ``read`` (at its hint by default; ``at_length``)."""
     if not isinstance(v, torch.Tensor):
         return 0
     try:
         n = v.untyped_storage().nbytes()
     except (NotImplementedError, RuntimeError):
         n = v.numel() * v.element_size()
-    return hint(n)  # symbolic with a symbolic length, or after the partitioner's RNG functionalization
+    return read(n)  # symbolic with a symbolic length, or after the partitioner's RNG functionalization
+
+
+def at_length(symbol: sympy.Symbol, value: int) -> Callable:
+    """A reader of sizes with the symbolic length ``symbol`` at ``value`` (the memory of a compile
+    at another length than its first); a size with another symbol in it raises ``TypeError``."""
+    cache: dict = {}
+
+    def read(x):
+        if not isinstance(x, torch.SymInt):
+            return hint(x)
+        e = x.node.expr
+        if e not in cache:
+            cache[e] = int(e.xreplace({symbol: value}))
+        return cache[e]
+
+    return read
 
 
 def _aliased_input(nd: fx.Node) -> fx.Node | None:
@@ -94,20 +113,21 @@ def _aliased_input(nd: fx.Node) -> fx.Node | None:
 RING_WORKSPACE = {RING: 8.0, RING_BACKWARD: 17.0}
 
 
-def _workspace(nd: fx.Node) -> int:
+def _workspace(nd: fx.Node, read: Callable = hint) -> int:
     """Bytes an op allocates and frees while it runs (only the ring attention ops are modelled;
     other ops' workspace is small next to their outputs)."""
     factor = RING_WORKSPACE.get(nd.target)
     if factor is None:
         return 0
     query = op_args(nd)["query"]
-    return int(factor * _nbytes(query.meta.get("val"))) if isinstance(query, fx.Node) else 0
+    return int(factor * _nbytes(query.meta.get("val"), read)) if isinstance(query, fx.Node) else 0
 
 
-def graph_peak(gm: fx.GraphModule, counted_inputs: set[str]) -> tuple[int, int]:
+def graph_peak(gm: fx.GraphModule, counted_inputs: set[str], read: Callable = hint) -> tuple[int, int]:
     """(peak, live at the end) in bytes for one run of ``gm``: placeholders named in
     ``counted_inputs`` count from the start (freed after their last use);
-    other inputs (parameters, the batch) are held by the caller and not counted."""
+    other inputs (parameters, the batch) are held by the caller and not counted. ``read``: how
+    sizes are read (``_nbytes``)."""
     nodes = list(gm.graph.nodes)
     last_use: dict[fx.Node, int] = {}
     for i, nd in enumerate(nodes):
@@ -142,7 +162,7 @@ def graph_peak(gm: fx.GraphModule, counted_inputs: set[str]) -> tuple[int, int]:
 
     for i, nd in enumerate(nodes):
         if nd.op == "placeholder":
-            hold(nd, [new(_nbytes(nd.meta.get("val")), nd.name in counted_inputs)])
+            hold(nd, [new(_nbytes(nd.meta.get("val"), read), nd.name in counted_inputs)])
         elif nd.op == "call_function":
             if nd.target is operator.getitem and nd.args[0] in storage:
                 src = storage[nd.args[0]]
@@ -153,12 +173,12 @@ def graph_peak(gm: fx.GraphModule, counted_inputs: set[str]) -> tuple[int, int]:
                 val = nd.meta.get("val")
                 if isinstance(val, (tuple, list)):
                     per_output.add(nd)
-                    hold(nd, [new(_nbytes(v)) for v in val])
+                    hold(nd, [new(_nbytes(v, read)) for v in val])
                 else:
-                    hold(nd, [new(_nbytes(val))])
+                    hold(nd, [new(_nbytes(val, read))])
         elif nd.op == "get_attr":
             hold(nd, [])
-        peak = max(peak, live + (_workspace(nd) if nd.op == "call_function" else 0))
+        peak = max(peak, live + (_workspace(nd, read) if nd.op == "call_function" else 0))
         for a in nd.all_input_nodes:
             if last_use.get(a) == i and a not in kept:
                 release(a)
@@ -167,19 +187,22 @@ def graph_peak(gm: fx.GraphModule, counted_inputs: set[str]) -> tuple[int, int]:
     return peak, live
 
 
-def estimate_memory(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> MemoryEstimate:
-    """The step's memory per rank from AOTAutograd's partitioned graphs (fake or real values)."""
+def estimate_memory(
+    fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, read: Callable = hint
+) -> MemoryEstimate:
+    """The step's memory per rank from AOTAutograd's partitioned graphs (fake or real values);
+    ``read``: how sizes are read (at their hints; ``at_length`` for another length)."""
     inputs = list(fw.graph.find_nodes(op="placeholder"))
     primals = {nd.name for nd in inputs}
-    fw_peak, fw_end = graph_peak(fw, set())
+    fw_peak, fw_end = graph_peak(fw, set(), read)
     user_out = tree_leaves(fw.graph.output_node().args)[:num_fwd_outputs]
-    fw_end -= sum(_nbytes(a.meta.get("val")) for a in user_out if isinstance(a, fx.Node))
+    fw_end -= sum(_nbytes(a.meta.get("val"), read) for a in user_out if isinstance(a, fx.Node))
     # backward inputs: the saved activations (not parameters or inputs passed through) and the
     # tangents; its outputs, the gradients, stay
     saved = {nd.name for nd in bw.graph.find_nodes(op="placeholder") if nd.name not in primals}
-    bw_peak, bw_end = graph_peak(bw, saved)
+    bw_peak, bw_end = graph_peak(bw, saved, read)
     outs = list(bw.graph.output_node().args[0])
     grads = bw_end  # what stays after the backward: the gradients (buckets counted once)
     # the inputs that get a gradient (AOTAutograd returns one per input, None where none)
-    params = sum(_nbytes(p.meta.get("val")) for p, a in zip(inputs, outs) if isinstance(a, fx.Node))
+    params = sum(_nbytes(p.meta.get("val"), read) for p, a in zip(inputs, outs) if isinstance(a, fx.Node))
     return MemoryEstimate(params=params, grads=grads, saved=fw_end, forward_peak=fw_peak, backward_peak=bw_peak)

@@ -103,17 +103,21 @@ def test_the_tile_count_is_the_one_choice_that_recompiles(pools):
         assert tiles == ["2 tiles", "4 tiles", "2 tiles", "untiled", "4 tiles", "2 tiles"], r["rungs"]
 
 
-def test_a_symbolic_plan_is_the_static_plan_at_its_length(fake_world, L=93):
+@pytest.mark.parametrize(("attn", "world"), [("sdpa", 2), ("gqa", 4)])
+def test_a_symbolic_plan_is_the_static_plan_at_its_length(fake_world, attn, world, L=93):
     """The plan a symbolic compile makes (at the length it is first called with) moves what the
     static plan moves: the same collectives, each of the same bytes, forward and backward (the
     solver may put an all-to-all of equal cost on another edge of a view chain: the symbolic graph
-    has its sizes as nodes, so ties break otherwise), and it says the length it was made at."""
-    fake_world(2)
+    has its sizes as nodes, so ties break otherwise), and it says the length it was made at.
+    Grouped-query heads inside SDPA (``enable_gqa``) on 4 ranks, where replicating the K/V heads
+    is priced against a ring: before, the pricing read the symbolic graph's sizes and failed
+    ("unhashable type: non-nested SymInt")."""
+    fake_world(world)
     torch.manual_seed(0)
-    model = Llama(LlamaConfig())
+    model = Llama(LlamaConfig(attn=attn))
     ids = torch.randint(0, 256, (1, L))
     plans = {}
-    with autosp.mesh(sp=2):
+    with autosp.mesh(sp=world):
         for dynamic in (True, False):
             step = autosp.shard(lambda a, b: model(a, b), compiler="aot_eager", dynamic=dynamic)
             plans[dynamic] = autosp.explain(step, ids, ids)

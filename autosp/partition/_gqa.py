@@ -32,11 +32,12 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_map
 
 from .._context import Kernel, SpContext
 from .._graph import SDPA_CPU as _FWD
 from .._graph import SDPA_CPU_BACKWARD as _BWD
-from .._graph import nbytes, out_vals
+from .._graph import hint, nbytes, out_vals
 from ..errors import source_line
 from ..propagate._attention import heads_split, hybrid_bytes, is_causal, ring_bytes, seq_attention_ok
 from ..propagate._placement import transfer_bytes
@@ -80,13 +81,30 @@ def _repeated(nd) -> tuple[fx.Node, int] | None:
 
 
 def _fake(a):
-    return out_vals(a)[0] if isinstance(a, fx.Node) else a
+    if not isinstance(a, fx.Node):
+        return a
+    v = a.meta.get("val")
+    return v if isinstance(v, torch.SymInt) else out_vals(a)[0]
 
 
 def _rerun(nd: fx.Node):
     """The node's op on its (new) inputs' fake values: its outputs' new shapes (fake tensors
     dispatch to their own mode)."""
-    return nd.target(*map(_fake, nd.args), **{key: _fake(a) for key, a in nd.kwargs.items()})
+    args, kwargs = tree_map(_fake, (nd.args, nd.kwargs))
+    return nd.target(*args, **kwargs)
+
+
+def _dims(g: fx.Graph, x: fx.Node, shape) -> list:
+    """``x``'s sizes ``shape`` as a new node's arguments, a symbolic one as a ``sym_size`` node of
+    ``x`` at the graph's insertion point (a graph's sizes are nodes, not raw SymInts)."""
+    out = []
+    for i, d in enumerate(shape):
+        if isinstance(d, torch.SymInt):
+            nd = g.call_function(aten.sym_size.int, (x, i))
+            nd.meta["val"] = d
+            d = nd
+        out.append(d)
+    return out
 
 
 def _summed(grad: fx.Node, rep: int) -> fx.Node | None:
@@ -183,8 +201,8 @@ def _node(g: fx.Graph, target, args: tuple, like: fx.Node, **kwargs) -> fx.Node:
 
 def _repeat(g: fx.Graph, x: fx.Node, rep: int, before: fx.Node) -> fx.Node:
     """(B, KV, S, D) -> (B, KV * rep, S, D), head j being ``x``'s head j // rep (``repeat_kv``)."""
-    B, KV, S, D = out_vals(x)[0].shape
     with g.inserting_before(before):
+        B, KV, S, D = _dims(g, x, out_vals(x)[0].shape)
         e = _node(g, aten.expand.default, (_node(g, aten.unsqueeze.default, (x, 2), x), [B, KV, rep, S, D]), x)
         c = _node(g, aten.clone.default, (e,), x, memory_format=torch.contiguous_format)
         return _node(g, aten.view.default, (c, [B, KV * rep, S, D]), x)
@@ -192,12 +210,12 @@ def _repeat(g: fx.Graph, x: fx.Node, rep: int, before: fx.Node) -> fx.Node:
 
 def _sum_copies(g: fx.Graph, grad: fx.Node, rep: int) -> fx.Node:
     """The gradient of ``_repeat``: (B, KV * rep, S, D) summed over each head's copies."""
-    B, H, S, D = out_vals(grad)[0].shape
-    with g.inserting_after(grad):
+    with g.inserting_before(grad.next):  # right after grad, in this order
+        B, H, S, D = _dims(g, grad, out_vals(grad)[0].shape)
         v = _node(g, aten.view.default, (grad, [B, H // rep, rep, S, D]), grad)
-    with g.inserting_after(v):
         s = _node(g, aten.sum.dim_IntList, (v, [2]), grad)
-    grad.replace_all_uses_with(s, delete_user_cb=lambda u: u is not v)
+    sizes = {d for d in (B, H, S, D) if isinstance(d, fx.Node)}
+    grad.replace_all_uses_with(s, delete_user_cb=lambda u: u is not v and u not in sizes)
     return s
 
 
@@ -209,13 +227,14 @@ def _replicated_is_cheaper(fwd: fx.Node, q, k, v, rep: int, ctx: SpContext) -> b
     """Ulysses on the replicated K/V (q, K, V and the output all-to-all'd each way) against ring
     attention and, on a 2D mesh, hybrid attention on the heads as they are."""
     n = ctx.n
-    out = q.new_empty([*q.shape[:3], v.shape[3]])
-    ulysses = 2 * (_a2a(q, n) + rep * (_a2a(k, n) + _a2a(v, n)) + _a2a(out, n))
+    # sizes at their hints: a cost compared on the symbolic graph must not guard on the length
+    out = math.prod(hint(tuple(q.shape[:3]))) * hint(v.shape[3]) * q.element_size()
+    ulysses = 2 * (_a2a(q, n) + rep * (_a2a(k, n) + _a2a(v, n))) + 2 * transfer_bytes("all_to_all", out, n)
     others = [math.inf]
     if seq_attention_ok(fwd, q, k):
         others.append(sum(ring_bytes(q, k, v, n, is_causal(fwd))))
         u = ctx.ulysses
-        if u > 1 and q.shape[2] % n == 0 and q.shape[1] % u == 0 and k.shape[1] % u == 0:
+        if u > 1 and hint(q.shape[2]) % n == 0 and q.shape[1] % u == 0 and k.shape[1] % u == 0:
             others.append(sum(hybrid_bytes(q, k, v, n, u, is_causal(fwd))))
     return ulysses <= min(others)
 

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from .._context import Kernel
-from .._graph import SDPA_CPU, SDPA_CPU_BACKWARD, op_args, out_vals, tensor_inputs
+from .._graph import SDPA_CPU, SDPA_CPU_BACKWARD, hint, op_args, out_vals, tensor_inputs
 from ..errors import PlanError, source_line
 from ._placement import P, R, can_shard, chunks, offsets, shard, shard_specs
 from ._strategy import Sets, Strategy, provenance, rule
@@ -311,7 +311,8 @@ def ring_bytes(q, k, v, n: int, causal: bool) -> tuple[float, float]:
     the gradient accumulators n times (in the merge dtype), and under a causal mask the query-side
     rows the zigzag moves to another rank (q in, out and log-sum-exp back; grad_out, q, out,
     log-sum-exp in and grad q back)."""
-    return _ring_bytes(tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, n, causal)
+    # at their hints: the graph K/V replication prices is the symbolic one (``partition._gqa``)
+    return _ring_bytes(hint(tuple(q.shape)), hint(tuple(k.shape)), hint(tuple(v.shape)), q.dtype, n, causal)
 
 
 @functools.lru_cache(maxsize=1024)  # propagation asks once per rule call; the walk is O(n^2) in Python
@@ -335,13 +336,13 @@ def hybrid_bytes(q, k, v, n: int, u: int, causal: bool) -> tuple[float, float]:
     log-sum-exp forward; grad_out, q, k, v, out, log-sum-exp in and the three gradients back), and
     ring attention over the n / u sub-groups on H / u heads."""
     item, acc = q.element_size(), acc_dtype(q.dtype).itemsize
-    B, H, S, D = q.shape
+    B, H, S, D = hint(tuple(q.shape))
     frac = (u - 1) / u / n
     qb, kb, vb, ob, lb = (
-        q.numel() * item,
-        k.numel() * item,
-        v.numel() * item,
-        B * H * S * v.shape[3] * item,
+        hint(q.numel()) * item,
+        hint(k.numel()) * item,
+        hint(v.numel()) * item,
+        B * H * S * hint(v.shape[3]) * item,
         B * H * S * acc,
     )
 

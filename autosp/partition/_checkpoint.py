@@ -465,8 +465,9 @@ def _budget_lengths(results, rung: Rung, budget: int, num_fwd_outputs: int, smal
         symbol, start = found
         try:
             limits = [_fit_limit(fw, bw, num_fwd_outputs, budget, symbol, start) for _, fw, bw in results]
-        except TypeError:  # a size with another symbol in it (the graphs' inputs have one only)
-            limits = []
+        except (TypeError, ValueError, ZeroDivisionError):  # a size with another symbol in it (the
+            # graphs' inputs have one only), or one that has no value at a length searched
+            limits = []  # no bound: every rank still exchanges, and none guards
     limits = smallest(limits)
     if not limits or found is None:
         return None

@@ -14,6 +14,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.fx.operator_schemas import normalize_function
 from torch.utils._pytree import tree_flatten
+from torch.utils._sympy.functions import CeilToInt, FloorDiv, FloorToInt, IntTrueDiv
 from torch.utils._sympy.interp import sympy_interp
 from torch.utils._sympy.reference import PythonReferenceAnalysis
 
@@ -76,9 +77,10 @@ def hint(x):
 def retraced(x):
     """A size of the global graph as a value of the trace in progress (``make_fx`` of the per-rank
     graph): an expression of a length the global trace made (a padding to a multiple of a
-    chunk, ``(-s) % 16``) built again from the symbols this trace tracks, which make_fx cannot
-    always do itself (it raised "PythonMod(-s50, 16) is not tracked with proxy"). Anything else
-    passes through."""
+    chunk, ``(-s) % 16`` or ``16 * math.ceil(s / 16) - s``) built again from the symbols this
+    trace tracks, which make_fx cannot always do itself (it raised "PythonMod(-s50, 16) is not
+    tracked with proxy"). A rounded true division of integers is rebuilt as a floor division
+    (exact; the float one cannot be evaluated on symbols). Anything else passes through."""
     mode = get_proxy_mode()
     if mode is None or not isinstance(x, torch.SymInt) or not x.node.is_symbolic():
         return x
@@ -86,7 +88,19 @@ def retraced(x):
     expr = x.node.expr
     if expr in known or not all(sym in known for sym in expr.free_symbols):
         return x
+    expr = expr.replace(_rounded_division, _as_floor_division)
     return sympy_interp(PythonReferenceAnalysis, {sym: known[sym].value for sym in expr.free_symbols}, expr)
+
+
+def _rounded_division(e) -> bool:
+    """``math.ceil(a / b)`` or ``math.floor(a / b)`` of integers, as the trace records them."""
+    return isinstance(e, (CeilToInt, FloorToInt)) and isinstance(e.args[0], IntTrueDiv)
+
+
+def _as_floor_division(e):
+    """ceil(a / b) = -((-a) // b) and floor(a / b) = a // b, exactly, on integers."""
+    a, b = e.args[0].args
+    return -FloorDiv(-a, b) if isinstance(e, CeilToInt) else FloorDiv(a, b)
 
 
 def out_vals(node: fx.Node) -> list:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import math
 
 import torch
 import torch.distributed as dist
@@ -1466,8 +1467,8 @@ def _lengths_model(kind: str):
 
         def fn(m, ids):
             return torch.nn.functional.cross_entropy(m(ids)[:, :-1].reshape(-1, 64), ids[:, 1:].reshape(-1))
-    elif kind in ("embed_chunked", "embed_chunked_cat"):  # padded to a multiple of a chunk (F.pad, or a cat
-        # of zeros), then scanned within chunks (a chunked scan)
+    elif kind in ("embed_chunked", "embed_chunked_cat", "embed_chunked_ceil"):  # padded to a multiple of a
+        # chunk (F.pad by -s % 16 or by 16 * ceil(s / 16) - s, or a cat of zeros), then scanned within chunks
         model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 16))
         vocab = 64
 
@@ -1476,6 +1477,8 @@ def _lengths_model(kind: str):
             b, s, d = h.shape
             if kind == "embed_chunked":
                 h = torch.nn.functional.pad(h, (0, 0, 0, (-s) % 16))
+            elif kind == "embed_chunked_ceil":
+                h = torch.nn.functional.pad(h, (0, 0, 0, 16 * math.ceil(s / 16) - s))
             else:
                 h = torch.cat([h, h.new_zeros(b, (-s) % 16, d)], dim=1)
             return h.view(b, -1, 16, d).cumsum(2).pow(2).mean()

@@ -57,10 +57,15 @@ def test_models_run_exact_at_lengths_up_and_down_on_at_most_two_compiles(pools, 
 
 @pytest.mark.parametrize(
     ("kind", "lengths", "graphs"),
-    [("embed_chunked", list(range(17, 28)), 3), ("embed_chunked_cat", [64, 37, 93, 20, 101, 58], 4)],
+    [
+        ("embed_chunked", list(range(17, 28)), 3),
+        ("embed_chunked_cat", [64, 37, 93, 20, 101, 58], 4),
+        ("embed_chunked_ceil", [64, 37, 93, 20, 101, 58], 4),
+    ],
 )
 def test_a_pad_to_a_multiple_of_a_chunk_runs_exact_on_symbolic_lengths(pools, kind, lengths, graphs):
-    """``F.pad(h, (0, 0, 0, (-s) % 16))`` (or a ``torch.cat`` of zeros) then ``view(b, -1, 16, d)``
+    """``F.pad(h, (0, 0, 0, (-s) % 16))`` (or by ``16 * math.ceil(s / 16) - s``, or a ``torch.cat``
+    of zeros) then ``view(b, -1, 16, d)``
     and a scan within chunks (a chunked scan's layout, as Mamba-2 and chunked linear attention
     pad): its sizes are expressions of the length, which the per-rank trace builds again from the
     length's symbol. Before, the step failed inside autosp ("PythonMod(-s50, 16) is not tracked
@@ -69,7 +74,9 @@ def test_a_pad_to_a_multiple_of_a_chunk_runs_exact_on_symbolic_lengths(pools, ki
     guards differ between the ranks; each rank now takes every rank's (``every_rank_guards``),
     so the ranks recompile at the same lengths. Before, lengths 17, 18, ..., 27 recompiled rank 1
     alone at 19 (a reshape's contiguity check on its last chunk's rows) and both ranks stopped at
-    the plan handshake's 5-minute timeout, one compiling, the other in a collective."""
+    the plan handshake's 5-minute timeout, one compiling, the other in a collective. The
+    ``math.ceil`` form failed inside autosp with a raw "Cannot convert expression to float" (the
+    per-rank trace rebuilt its size through a float division; now a floor division)."""
     for r in pools(2).run(cases.many_lengths, kind, lengths):
         _exact(r["steps"])
         assert r["compiled"] == 1 and r["graphs"] <= graphs, r

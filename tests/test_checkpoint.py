@@ -252,3 +252,15 @@ def test_ring_attention_workspace_is_in_the_predicted_peak():
     qb = q.numel() * 4
     out_and_lse = qb + 4 * 32 * 4
     assert peak == 3 * qb + out_and_lse + RING_WORKSPACE[RING] * qb
+
+
+def test_a_repeated_rung_is_shown_once(fake_world):
+    """A ladder keeps a repeated threshold (every rank builds as many rungs); the plan's summary
+    shows each rung once, in ladder order."""
+    from autosp.partition._checkpoint import Checkpoint
+
+    r = _auto_rungs(fake_world)
+    ladder = Checkpoint("auto", r[1], (r[0], r[1], r[1], r[2], r[2]))
+    rows = str(ladder).split(" of [")[1]
+    assert [rows.count(f"{x.name}: ") for x in r[:3]] == [1, 1, 1], str(ladder)
+    assert rows.index(r[0].name) < rows.index(r[1].name) < rows.index(r[2].name)

@@ -63,16 +63,22 @@ def any_rank(ctx: SpContext, kind: str, flag: bool) -> bool:
     return flag if got is None else "1" in got
 
 
+def _ints_over_ranks(ctx: SpContext, key: str, values: list[int]) -> list[list[int]] | None:
+    """Every sp rank's list of ints, this rank's ``values`` among them, exchanged under ``key``
+    (None where there is nothing to exchange with)."""
+    got = _exchange(ctx, key, ",".join(map(str, values)))
+    return None if got is None else [[int(x) for x in v.split(",")] if v else [] for v in got]
+
+
 def smallest_over_ranks(ctx: SpContext):
     """A function of this rank's list of ints that returns, per item, the least over the sp
     ranks: [] where any rank's list is empty or their lengths differ (each rank calls it once
     per compile, at the same point)."""
 
     def smallest(values: list[int]) -> list[int]:
-        got = _exchange(ctx, "smallest", ",".join(map(str, values)))
-        if got is None:
+        per_rank = _ints_over_ranks(ctx, "smallest", values)
+        if per_rank is None:
             return values
-        per_rank = [[int(x) for x in v.split(",")] if v else [] for v in got]
         if len({len(p) for p in per_rank}) != 1:
             return []
         return [min(column) for column in zip(*per_rank)]
@@ -85,10 +91,9 @@ def largest_peaks(ctx: SpContext):
     the largest over the sp ranks: a budget is held against the rank that needs most."""
 
     def largest(peaks: list[int]) -> list[int]:
-        got = _exchange(ctx, "peaks", ",".join(map(str, peaks)))
-        if got is None:
+        per_rank = _ints_over_ranks(ctx, "peaks", peaks)
+        if per_rank is None:
             return peaks
-        per_rank = [[int(x) for x in v.split(",")] for v in got]
         if len({len(p) for p in per_rank}) != 1:
             raise PlanError(
                 None,

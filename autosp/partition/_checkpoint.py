@@ -140,7 +140,11 @@ class Checkpoint:
         return self.rung.memory
 
     def __str__(self) -> str:
-        rows = ", ".join(f"{r.name}: {r.memory.peak / 2**20:.1f} MiB, +{r.overhead:.1%}" for r in self.rungs)
+        # a ladder keeps repeated thresholds (every rank the same count); each rung is shown once
+        shown: dict[str, Rung] = {}
+        for r in self.rungs:
+            shown.setdefault(r.name, r)
+        rows = ", ".join(f"{r.name}: {r.memory.peak / 2**20:.1f} MiB, +{r.overhead:.1%}" for r in shown.values())
         return f"checkpoint={self.policy}: chose {self.chosen!r} of [{rows}]"
 
 

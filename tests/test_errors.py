@@ -1,5 +1,7 @@
 """Bad input gets an error that names the op or input, the user's line, the shapes and a fix."""
 
+import types
+
 import cases
 import pytest
 import torch
@@ -134,6 +136,29 @@ def test_graph_break_is_an_error_naming_the_line(fake_world):
     with pytest.raises(
         autosp.GraphBreakError,
         match=r"graph break\) at .*test_errors\.py:\d+.*h\.sum\(\)\.item\(\) > 0.*Fix: rewrite that line",
+    ):
+        _explain(step, torch.randint(0, 16, (1, 512)))
+
+
+def test_a_side_effect_under_torch_utils_checkpoint_names_autosps_own_checkpointing(fake_world):
+    """A layer under torch.utils.checkpoint that sets outside Python state (as transformers' hub-kernel
+    wrappers do in every attention forward, gradient_checkpointing_enable()'d) cannot be one graph:
+    the error says so and points to checkpoint='full', not to rewriting the line with torch ops."""
+    fake_world(2)
+    emb = torch.nn.Embedding(16, 8)
+    state = types.SimpleNamespace(active=None)
+
+    def layer(h):
+        state.active = h.shape  # outside state, set inside the checkpointed region
+        return torch.tanh(h)
+
+    def step(ids):
+        return torch.utils.checkpoint.checkpoint(layer, emb(ids), use_reentrant=False).sum()
+
+    with pytest.raises(
+        autosp.GraphBreakError,
+        match=r"torch\.utils\.checkpoint.*test_errors\.py:\d+.*state\.active = .*"
+        r"Fix: drop torch\.utils\.checkpoint.*checkpoint='full'",
     ):
         _explain(step, torch.randint(0, 16, (1, 512)))
 

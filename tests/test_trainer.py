@@ -63,8 +63,11 @@ def test_sequence_parallel_sft_trainer_logs_the_single_process_losses(pools, tmp
     """TRL's SFTTrainer (completion-only loss through its fused LM head's outputs, computed in the
     sharded step) with packing: padding-free rows of whole documents, position_ids restarting.
     Each of 10 logged losses within 1e-4 of one process's, the evaluation loss within 1e-5.
-    Would catch: documents attending across their bounds, the varlen bounds recompiling each
-    batch (timeout), TRL's token-count metric gathered over the sp ranks."""
+    SFTConfig's default gradient_checkpointing=True runs as autosp's checkpoint="full" (the one
+    process: as torch.utils.checkpoint per layer). Would catch: documents attending across their
+    bounds, the varlen bounds recompiling each batch (timeout), TRL's token-count metric gathered
+    over the sp ranks, torch.utils.checkpoint left on the model (inside it, transformers'
+    hub-kernel wrappers break the graph) or the request dropped."""
     one = pools(1).run(trainer_cases.train, "sft", 1, str(tmp_path / "one"), 10, 0, None, packing)[0]
     sp, _ = pools(2).run(trainer_cases.train, "sft", 2, str(tmp_path / "sp"), 10, 0, None, packing)
     _assert_same_losses(sp["losses"], one["losses"], 1e-4, range(1, 11))
@@ -78,6 +81,7 @@ def test_sequence_parallel_sft_trainer_logs_the_single_process_losses(pools, tmp
         len(s) == 2 and s[0] == 1 and c == "output" for s, c in plan["gathers"]
     )
     assert any("the step returns it" in n for n in plan["notes"])
+    assert plan["checkpoint"] == ("full", "full") and not plan["hf_checkpointing"], plan["checkpoint"]
 
 
 def test_sequence_parallel_trainer_under_bf16_is_as_accurate_as_one_process(pools, tmp_path):

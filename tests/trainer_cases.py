@@ -146,4 +146,6 @@ def _plan(trainer) -> dict:
         notes=list(step.plan.notes),
         gathers=[(c.shape, c.consumer) for c in step.plan.collectives if c.kind == "all_gather"],
         dtypes={k: sorted({c.dtype for c in step.plan.collectives if c.kind == k}) for k in kinds},
+        checkpoint=None if (c := step.plan.checkpoint) is None else (c.policy, c.chosen),  # None: no backward
+        hf_checkpointing=any(getattr(m, "gradient_checkpointing", False) is True for m in trainer.model.modules()),
     )

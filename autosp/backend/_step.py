@@ -169,6 +169,15 @@ def _graph_break(e: Exception) -> GraphBreakError:
             "pass the module to autosp.shard(model), or reach it from the step function's "
             "closure, globals or a bound method's object",
         )
+    if "torch.utils.checkpoint" in str(e):
+        return GraphBreakError(
+            None,
+            f"the step runs torch.utils.checkpoint, inside which a side effect cannot be captured as "
+            f"one graph{where}: {first} (Hugging Face models: gradient_checkpointing_enable(), whose "
+            "hub-kernel wrappers set Python state in every attention forward)",
+            "drop torch.utils.checkpoint from the model (model.gradient_checkpointing_disable()); autosp "
+            "recomputes on the joint graph itself: shard(checkpoint='full') recomputes whole layers, as it did",
+        )
     return GraphBreakError(
         None,
         f"the step cannot be captured as one graph (graph break){where}: {first}",

@@ -20,6 +20,12 @@ against the Trainer, and why each gives the single-process step:
   marked prepared, the sharded step runs the forward under the same autocast and returns its
   outputs as fp32, as accelerate's wrapper does. ``fp16=True`` (loss scaling) is an error.
 
+- **Activation checkpointing** is autosp's: the Trainer's ``gradient_checkpointing=True`` (TRL's
+  SFTConfig default; or ``activation_checkpointing=True``, or a model on which it is enabled) is
+  ``checkpoint="full"`` (whole layers recomputed, as the Trainer's per-layer
+  ``torch.utils.checkpoint``) unless ``checkpoint=`` is given, and is turned off on the model.
+  Its ``gradient_checkpointing_kwargs`` (``use_reentrant``, ``every_n_layers``, ``offload``) are not read.
+
 Everything else is the Trainer's: gradient accumulation, clipping to the global norm (every rank
 holds the whole gradient), schedulers, checkpoints and resuming.
 """
@@ -202,13 +208,36 @@ def _autocast(accelerator) -> dict | None:
     return dict(device_type=accelerator.device.type, dtype=torch.bfloat16, **kwargs)
 
 
+def _take_checkpointing(args, model) -> bool:
+    """Whether the Trainer was asked for activation checkpointing (``gradient_checkpointing=True``,
+    TRL's SFTConfig default, or ``activation_checkpointing=True``) or the model runs it already;
+    turned off in both, for autosp to recompute on the joint graph instead: a
+    ``torch.utils.checkpoint`` in the captured step is a higher-order op, inside which Python state
+    the model sets (transformers' hub-kernel wrappers set a context variable in every attention
+    forward) breaks the graph."""
+    asked = False
+    for name in ("activation_checkpointing", "gradient_checkpointing"):
+        if getattr(args, name, None):
+            asked = True
+            setattr(args, name, False)
+    if model is not None and any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+        asked = True
+        off = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+        off()
+    return asked
+
+
 class _SequenceParallel:
     """The mixin ``sequence_parallel`` puts in front of a Trainer class."""
 
     def __init__(self, *args, sp: int | None = None, seq: Any = True, **kwargs):
         names = Options.keys()
-        self._sp_options = dataclasses.asdict(Options.of(**{k: kwargs.pop(k) for k in names if k in kwargs}))
+        given = {k: kwargs.pop(k) for k in names if k in kwargs}
+        Options.of(**given)  # an unknown or bad option fails before the Trainer is built
         super().__init__(*args, **kwargs)
+        if _take_checkpointing(self.args, self.model):
+            given.setdefault("checkpoint", "full")
+        self._sp_options = dataclasses.asdict(Options.of(**given))
         # a model marked prepared (below) skips accelerate's wrappers: refuse what they would have done
         if self.args.fp16:
             raise ValueError(

@@ -122,6 +122,34 @@ def test_sequence_parallel_trainer_refuses_what_it_cannot_run_exactly(tmp_path):
         sequence_parallel(dict)
 
 
+def test_every_way_to_ask_for_activation_checkpointing_is_autosps_full_rung(tmp_path):
+    """The Trainer's gradient_checkpointing=True, its newer name activation_checkpointing=True, and
+    a model on which gradient_checkpointing_enable() ran before the Trainer: each is autosp's
+    checkpoint="full", turned off on the model and in the arguments (the Trainer would turn it on
+    again in train()); a checkpoint= given wins; none asked: autosp's default. Would catch: a form
+    of the request dropped (the model's torch.utils.checkpoint then breaks the graph)."""
+    import hf_models
+    import transformers as T
+
+    from autosp.integrations.transformers import SequenceParallelTrainer
+
+    def make(model_on=False, sp_args=None, **args):
+        args = T.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **args)
+        model = hf_models.build("llama", "sdpa")
+        if model_on:
+            model.gradient_checkpointing_enable()
+        kw = dict(model=model, args=args, train_dataset=trainer_cases.samples(4, 0), sp=1, **(sp_args or {}))
+        trainer = SequenceParallelTrainer(**kw)
+        left = any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+        return trainer._sp_options["checkpoint"], bool(trainer.args.activation_checkpointing), left
+
+    assert make(gradient_checkpointing=True) == ("full", False, False)
+    assert make(activation_checkpointing=True) == ("full", False, False)
+    assert make(model_on=True) == ("full", False, False)
+    assert make(sp_args=dict(checkpoint="none"), gradient_checkpointing=True) == ("none", False, False)
+    assert make() == ("auto", False, False)
+
+
 def test_sequence_parallel_trainer_on_sp_2_by_dp_2_matches_one_process(pools, tmp_path):
     """4 ranks as 2 dp replicas of an sp group of 2 (2 micro-batches of 2 per replica) against
     one process taking the same 8 samples a step as 4 micro-batches: each of 10 logged losses

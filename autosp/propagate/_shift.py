@@ -17,11 +17,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch import sym_max, sym_min
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .._context import Kernel
-from .._graph import hint, out_vals, tensor_inputs
+from .._graph import out_vals, tensor_inputs
 from ._placement import P, R, chunks, offsets, shard, shard_specs
 from ._rules import cat_rule
 from ._strategy import Sets, Strategy, dedup, rule
@@ -113,19 +112,14 @@ def _pieces(size_in: int, size_out: int, n: int, reads) -> list[tuple[int, int, 
     ia, oa = offsets(ci), offsets(co)
     pieces = []
     for q in range(n):
-        if statically_known_true(co[q] == 0):
+        if not co[q]:
             continue
         lo, hi = reads(oa[q], co[q])
-        lo, hi = sym_max(lo, 0), sym_min(hi, size_in)
+        lo, hi = max(lo, 0), min(hi, size_in)
         for r in range(n):  # source: input rows ia[r] .. ia[r] + ci[r]
-            # clamped into the source's rows, so a piece empty at some lengths is still a valid
-            # (empty) slice: on a symbolic length a piece is dropped only where it is empty at
-            # every length (comparing the bounds would guard the compile to this length's pieces)
-            end = ia[r] + ci[r]
-            a = sym_min(sym_max(lo, ia[r]), end)
-            rows = sym_max(sym_min(hi, end) - a, 0)
-            if not statically_known_true(rows <= 0):
-                pieces.append((r, q, a, rows))
+            a, b = max(lo, ia[r]), min(hi, ia[r] + ci[r])
+            if b > a:
+                pieces.append((r, q, a, b - a))
     return pieces
 
 
@@ -151,7 +145,7 @@ def sent_bytes(pieces, n: int, row_bytes: float) -> float:
     sent = [0] * n
     for r, q, _, rows in pieces:
         if r != q:
-            sent[r] += hint(rows)  # a cost: at the length the compile was first called with
+            sent[r] += rows
     return max(sent) * row_bytes
 
 

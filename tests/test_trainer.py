@@ -16,17 +16,17 @@ def _assert_same_losses(got: dict, want: dict, rtol: float, steps) -> None:
 
 
 def test_sequence_parallel_trainer_logs_the_single_process_losses_and_resumes_alike(pools, tmp_path):
-    """20 steps (gradient accumulation 2, clipping to 1.0, cosine, AdamW, a new length every
+    """12 steps (gradient accumulation 2, clipping to 1.0, cosine, AdamW, a new length every
     batch): each logged loss within 1e-4 of the one-process Trainer's, the evaluation loss within
-    1e-5, and a run resumed from step 10's checkpoint logs the same steps 11-20. Would catch: the
+    1e-5, and a run resumed from step 6's checkpoint logs the same steps 7-12. Would catch: the
     data sharded over every rank (sp ranks reading different batches: the input check fails),
     the loss scaled by the world size twice, DDP reducing autosp's gradients again, the last
     evaluation batch cut by accelerate's world-wide remainder, evaluation unsharded, predict()
     without its logits (dropped as they are for a loss)."""
-    one = pools(1).run(trainer_cases.train, "trainer", 1, str(tmp_path / "one"))[0]
-    full, _ = pools(2).run(trainer_cases.train, "trainer", 2, str(tmp_path / "sp"), 20, 10)
-    assert sorted(full["losses"]) == list(range(1, 21))
-    _assert_same_losses(full["losses"], one["losses"], 1e-4, range(1, 21))
+    one = pools(1).run(trainer_cases.train, "trainer", 1, str(tmp_path / "one"), 12)[0]
+    full, _ = pools(2).run(trainer_cases.train, "trainer", 2, str(tmp_path / "sp"), 12, 6)
+    assert sorted(full["losses"]) == list(range(1, 13))
+    _assert_same_losses(full["losses"], one["losses"], 1e-4, range(1, 13))
     assert abs(full["eval_loss"] - one["eval_loss"]) <= 1e-5 * one["eval_loss"]
     # the work is split: ring attention (HF's mask split by query rows) in training and in the
     # forward-only evaluation
@@ -38,11 +38,11 @@ def test_sequence_parallel_trainer_logs_the_single_process_losses_and_resumes_al
     torch.testing.assert_close(full["logits"], one["logits"], rtol=1e-5, atol=1e-5)
 
     resumed, _ = pools(2).run(
-        trainer_cases.train, "trainer", 2, str(tmp_path / "sp"), 20, 0, str(tmp_path / "sp" / "checkpoint-10")
+        trainer_cases.train, "trainer", 2, str(tmp_path / "sp"), 12, 0, str(tmp_path / "sp" / "checkpoint-6")
     )
-    # steps 1-10 are the checkpoint's log; 11-20 ran again from its weights, optimizer, schedule and data position
-    assert sorted(resumed["losses"]) == list(range(1, 21))
-    _assert_same_losses(resumed["losses"], full["losses"], 1e-4, range(11, 21))
+    # steps 1-6 are the checkpoint's log; 7-12 ran again from its weights, optimizer, schedule and data position
+    assert sorted(resumed["losses"]) == list(range(1, 13))
+    _assert_same_losses(resumed["losses"], full["losses"], 1e-4, range(7, 13))
 
 
 def test_a_compute_loss_of_its_own_calling_the_model_positionally_matches_one_process(pools, tmp_path):
@@ -152,14 +152,14 @@ def test_every_way_to_ask_for_activation_checkpointing_is_autosps_full_rung(tmp_
 
 def test_sequence_parallel_trainer_on_sp_2_by_dp_2_matches_one_process(pools, tmp_path):
     """4 ranks as 2 dp replicas of an sp group of 2 (2 micro-batches of 2 per replica) against
-    one process taking the same 8 samples a step as 4 micro-batches: each of 10 logged losses
+    one process taking the same 8 samples a step as 4 micro-batches: each of 6 logged losses
     within 1e-4, the evaluation loss (8 samples: no padded batch) within 1e-5. Would catch: the
     data sharded over 4 ranks (or not over dp at all), gradients summed instead of averaged
     over the replicas, the token count or the loss scale off by the replica count, metrics
     gathered over every rank."""
-    one = pools(1).run(trainer_cases.train, "trainer", 1, str(tmp_path / "one"), 10, 0, None, False, 4, 8)[0]
-    runs = pools(4).run(trainer_cases.train, "trainer", 2, str(tmp_path / "sp"), 10, 0, None, False, 2, 8)
+    one = pools(1).run(trainer_cases.train, "trainer", 1, str(tmp_path / "one"), 6, 0, None, False, 4, 8)[0]
+    runs = pools(4).run(trainer_cases.train, "trainer", 2, str(tmp_path / "sp"), 6, 0, None, False, 2, 8)
     for run in runs:
-        _assert_same_losses(run["losses"], one["losses"], 1e-4, range(1, 11))
+        _assert_same_losses(run["losses"], one["losses"], 1e-4, range(1, 7))
         assert abs(run["eval_loss"] - one["eval_loss"]) <= 1e-5 * one["eval_loss"]
         assert "ring" in run["train_plan"]["kinds"]

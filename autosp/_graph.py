@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import math
 import operator
+import weakref
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
-from torch.fx.experimental.symbolic_shapes import optimization_hint
+from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_known_true
 from torch.fx.operator_schemas import normalize_function
 from torch.utils._pytree import tree_flatten
 from torch.utils._sympy.functions import CeilToInt, FloorDiv, FloorToInt, IntTrueDiv
@@ -21,6 +22,7 @@ from torch.utils._sympy.reference import PythonReferenceAnalysis
 __all__ = [
     "hint",
     "retraced",
+    "known_alike",
     "SYM_TYPES",
     "out_vals",
     "tensor_inputs",
@@ -90,6 +92,27 @@ def retraced(x):
         return x
     expr = expr.replace(_rounded_division, _as_floor_division)
     return sympy_interp(PythonReferenceAnalysis, {sym: known[sym].value for sym in expr.free_symbols}, expr)
+
+
+# shape env -> {condition: whether it was statically known}, for ``known_alike``
+_KNOWN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def known_alike(cond) -> bool:
+    """``statically_known_true(cond)``, answered once per compile (shape env) and condition: a
+    choice that shapes the collectives (which pieces a halo exchange moves) must be the same in
+    every rank's trace. Statically known reads what the shape env has learnt so far, which grows
+    as each per-rank trace adds its guards: asked in the trace of another rank, or later in the
+    same one, the same condition was answered otherwise, and the ranks' graphs then issued
+    different collectives (Falcon-H1's causal convolution at 61 tokens on 2 ranks). Every process
+    traces the ranks in the same order, so the first answer, kept, is the same on every rank."""
+    if not isinstance(cond, torch.SymBool):
+        return bool(cond)
+    answers = _KNOWN.setdefault(cond.node.shape_env, {})
+    key = cond.node.expr
+    if key not in answers:
+        answers[key] = statically_known_true(cond)
+    return answers[key]
 
 
 def _rounded_division(e) -> bool:

@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 from torch._decomp import get_decompositions
 from torch._dynamo.backends.common import aot_autograd
+from torch._functorch import config as functorch_config
 from torch._functorch._aot_autograd.utils import call_func_at_runtime_with_args
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -36,9 +37,9 @@ from ..partition import (
     replicate_kv_heads,
 )
 from ..propagate import propagate, solve
-from ._checks import any_rank, check_same_plan, check_same_schedule, largest_peaks, smallest_over_ranks
+from ._checks import any_rank, check_same_plan, check_same_schedule, cse_alike, largest_peaks, smallest_over_ranks
 from ._plan import Plan, build_plan
-from ._symbolic import every_rank_guards, guard_budget_lengths, guard_even_shards, hinted, is_symbolic, lengths_note
+from ._symbolic import every_rank_graphs, guard_budget_lengths, guard_even_shards, hinted, is_symbolic, lengths_note
 
 __all__ = ["make_backend", "DECOMPOSITIONS"]
 
@@ -154,7 +155,8 @@ def _localizer(graph: fx.GraphModule, inputs, outputs: int, planned, to_graph, c
     hinted copy, ``to_graph`` mapping its nodes to ``graph``'s; None: no tiling, as for a forward
     only). ``per_rank(tiled=False)`` localizes ``graph`` for this rank, in ``tiling``'s tiles if
     ``tiled``; with a symbolic length it first traces every other rank's graph too, each in its
-    own tiles (its rows are its own), for their guards (``every_rank_guards``)."""
+    own tiles (its rows are its own), for their guards (``every_rank_graphs``), and merges
+    common subexpressions where every rank's graph merges the same collectives (``cse_alike``)."""
     tiling, guard_tiles = (
         (None, None) if planned is None else plan_tiles(planned.graph, choice.strategy, ctx, symbolic=to_graph)
     )
@@ -169,9 +171,9 @@ def _localizer(graph: fx.GraphModule, inputs, outputs: int, planned, to_graph, c
         return localize(graph, local_choice, inputs, c, num_fwd_outputs=outputs, tiling=tiles)
 
     def per_rank(tiled: bool = False) -> fx.GraphModule:
-        if to_graph is not None:
-            every_rank_guards(lambda c: trace(c, tiled), ctx)
-        return gathers_at_first_use(trace(ctx, tiled))
+        if to_graph is None:
+            return gathers_at_first_use(trace(ctx, tiled))
+        return cse_alike(every_rank_graphs(lambda c: gathers_at_first_use(trace(c, tiled)), ctx), ctx.rank)
 
     return per_rank, tiling, guard_tiles
 
@@ -192,20 +194,23 @@ def make_backend(
         planned, to_joint, choice, plan = _solved(joint, ctx)
         per_rank, tiling, guard_tiles = _localizer(joint, joint_inputs, num_fwd_outputs, planned, to_joint, choice, ctx)
         local = _run("localize", per_rank)
-        fw, bw, ckpt = _run(
-            "checkpoint",
-            checkpoint_partition,
-            local,
-            joint_inputs,
-            options.checkpoint,
-            num_fwd_outputs=num_fwd_outputs,
-            every_rung=options.every_rung,
-            largest=largest_peaks(ctx),
-            smallest=None if to_joint is None else smallest_over_ranks(ctx),
-            tiled=None if tiling is None else lambda: per_rank(tiled=True),
-            tiles=tiling.count if tiling is not None else 1,
-            **kwargs,
-        )
+        # a symbolic compile's per-rank graph comes merged by ``cse_alike``: the partitioner's own
+        # merging, rank by rank, may merge a collective on some ranks only
+        with functorch_config.patch(cse=to_joint is None):
+            fw, bw, ckpt = _run(
+                "checkpoint",
+                checkpoint_partition,
+                local,
+                joint_inputs,
+                options.checkpoint,
+                num_fwd_outputs=num_fwd_outputs,
+                every_rung=options.every_rung,
+                largest=largest_peaks(ctx),
+                smallest=None if to_joint is None else smallest_over_ranks(ctx),
+                tiled=None if tiling is None else lambda: per_rank(tiled=True),
+                tiles=tiling.count if tiling is not None else 1,
+                **kwargs,
+            )
         # a symbolic compile serves the lengths that make its tile count only where the count
         # weighed in its checkpointing decision (on any rank: all guard alike)
         if to_joint is not None and any_rank(ctx, "tiles", ckpt.weighs_tiles):

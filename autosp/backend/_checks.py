@@ -1,5 +1,6 @@
 """Cross-rank checks at compile time: every rank of an sp group must build the same plan, issue
-the same collectives in the same order, and take the same checkpointing decision; a difference
+the same collectives in the same order (``cse_alike`` keeps a merge from breaking that), and take
+the same checkpointing decision; a difference
 would be a hang (or a gloo abort) in the first step, so it is an error at compile time instead.
 
 The exchanges go through the c10d store, not a collective on the sp group: they take no slot in
@@ -15,13 +16,14 @@ import os
 
 import torch.distributed as dist
 import torch.fx as fx
+from torch._functorch.compile_utils import fx_graph_cse
 
 from .._context import SpContext
 from ..errors import PlanError
 from ..partition._fsdp import FSDP_OPS
 from ._plan import Plan
 
-__all__ = ["check_same_plan", "check_same_schedule", "largest_peaks", "smallest_over_ranks", "any_rank"]
+__all__ = ["check_same_plan", "check_same_schedule", "cse_alike", "largest_peaks", "smallest_over_ranks", "any_rank"]
 
 log = logging.getLogger("autosp")
 
@@ -103,6 +105,20 @@ def largest_peaks(ctx: SpContext):
         return [max(col) for col in zip(*per_rank)]
 
     return largest
+
+
+def cse_alike(graphs: list[fx.GraphModule], rank: int) -> fx.GraphModule:
+    """``graphs[rank]`` (of every rank's per-rank graphs, in rank order) with its common
+    subexpressions merged (AOTAutograd's CSE, which its partitioner runs otherwise) if merging
+    leaves every rank's graph issuing the same collectives, else unmerged. Merging reads each
+    rank's own graph: Falcon-H1's causal convolution recomputes in the backward an exchange its
+    forward makes, and on a symbolic length one rank's trace built the two alike (merged: one
+    all-to-all), the other's not (two); the ranks would then hang."""
+    merged = [fx.GraphModule(g, fx_graph_cse(g.graph)) for g in graphs]
+    if len({repr(_collective_order(g)) for g in merged}) == 1:
+        return merged[rank]
+    log.info("autosp: common subexpressions merge collectives on some sp ranks only; kept unmerged")
+    return graphs[rank]
 
 
 def _collective_order(*graphs: fx.GraphModule) -> list[list[str]]:

@@ -30,7 +30,7 @@ from torch.utils._sympy.numbers import int_oo
 from .._graph import SYM_TYPES, hint, out_vals, tensor_inputs
 from ..propagate._placement import shard_spec
 
-__all__ = ["is_symbolic", "hinted", "lengths_note", "guard_even_shards", "every_rank_guards", "guard_budget_lengths"]
+__all__ = ["is_symbolic", "hinted", "lengths_note", "guard_even_shards", "every_rank_graphs", "guard_budget_lengths"]
 
 
 def _symbolic_value(v) -> bool:
@@ -115,19 +115,18 @@ def guard_even_shards(strategy: dict, n: int) -> None:
                 torch._check(size % blocks == 0)
 
 
-def every_rank_guards(trace: Callable, ctx) -> None:
-    """Give this rank's compile the guards of every rank's per-rank graph: ``trace(ctx)`` traces
-    the per-rank graph of the rank ``ctx`` names, on the compile's fake inputs, so the guards it
-    adds land in their shape env; it runs here for the other ranks, its graphs dropped. Each
-    rank's local sizes are its own expressions of S (rank i holds ``ceil((S - i) / n)`` rows),
-    and the ops on them guard on what they read: a reshape's contiguity check, a matmul's
-    ``Ne(rows, 1)``. A guard one rank alone adds makes Dynamo recompile that rank alone at a
-    length that breaks it, while the others run on: the ranks then wait in different
-    collectives until the timeout (a chunk pad over lengths 17..27 on 2 ranks did). With every
-    rank's guards on every rank, the ranks compile at the same lengths."""
-    for rank in range(ctx.n):
-        if rank != ctx.rank:
-            trace(dataclasses.replace(ctx, rank=rank))
+def every_rank_graphs(trace: Callable, ctx) -> list:
+    """Every rank's per-rank graph, ``trace(ctx)`` tracing the one of the rank ``ctx`` names, on
+    the compile's fake inputs, so the guards it adds land in their shape env: this rank's compile
+    takes the guards of every rank's graph. Each rank's local sizes are its own expressions of S
+    (rank i holds ``ceil((S - i) / n)`` rows), and the ops on them guard on what they read: a
+    reshape's contiguity check, a matmul's ``Ne(rows, 1)``. A guard one rank alone adds makes
+    Dynamo recompile that rank alone at a length that breaks it, while the others run on: the
+    ranks then wait in different collectives until the timeout (a chunk pad over lengths 17..27
+    on 2 ranks did). With every rank's guards on every rank, the ranks compile at the same
+    lengths. Every process traces the ranks in the same order (0 first), so what a trace reads
+    of the shape env at each step is the same on every rank (``known_alike``)."""
+    return [trace(dataclasses.replace(ctx, rank=rank)) for rank in range(ctx.n)]
 
 
 def guard_budget_lengths(ckpt, joint_inputs) -> tuple[str, ...]:

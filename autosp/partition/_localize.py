@@ -20,6 +20,7 @@ import operator
 import torch
 import torch.fx as fx
 from torch._prims_common import is_contiguous_or_false
+from torch.fx.experimental import _config as fx_config
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make_fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._pytree import tree_map
@@ -208,5 +209,7 @@ def localize(
         values = Localizer(joint, plan, ctx, tiling).run(*primals, *tangents, enable_io_processing=False)
         return place_outputs(values, outputs, ctx)
 
-    with fx.traceback.preserve_node_meta():
+    # size-oblivious on the lengths: torch's contiguity and size-1 checks on a rank's piece of a
+    # symbolic length (a chunk pad's rows) would guard the compile to this length's local sizes
+    with fx.traceback.preserve_node_meta(), fx_config.patch(backed_size_oblivious=True):
         return make_fx(run)(*joint_inputs)

@@ -11,10 +11,11 @@ import math
 
 import torch
 import torch.distributed._functional_collectives as funcol
+from torch import sym_max, sym_min
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
 from .._context import Kernel
-from .._graph import out_vals, retraced
+from .._graph import known_alike, out_vals, retraced
 from ..propagate._placement import chunks, offsets, shard_spec
 from ..propagate._shift import (
     Window,
@@ -53,8 +54,8 @@ def _rows(x: torch.Tensor, d: int, size_in: int, pieces, n: int, rank: int, grou
     y = funcol.all_to_all_single(buf, recv_sizes, send_sizes, group)
     got = dict(enumerate(y.split(recv_sizes)))
     parts = [x.narrow(d, a - start, k) if r == rank else rows_of(got[r], k) for r, q, a, k in pieces if q == rank]
-    if not any(recv_sizes):  # the exchange's result must be read, or it is dead code on this rank only
-        parts.append(rows_of(y, 0))
+    if not any(q == rank and r != rank for r, q, _, _ in pieces):
+        parts.append(rows_of(y, 0))  # the exchange's result must be read, or it is dead code on this rank only
     return parts
 
 
@@ -82,18 +83,25 @@ def shifted(x: torch.Tensor, w: Window, n: int, rank: int, group) -> torch.Tenso
     d, shape = w.dim, list(x.shape)
     parts = _rows(x, d, w.size_in, halo_pieces(w, n), n, rank, group)
     size = chunks(w.size_out, n)[rank]
-    size += w.extra if size else 0
+    if w.extra:  # a rank with output rows reads ``extra`` past them
+        size = size + w.extra * sym_min(size, 1)
     first = offsets(chunks(w.size_out, n))[rank] + w.offset  # the input row of this rank's first output row
-    before = min(max(-first, 0), size)
+    before = sym_min(sym_max(-first, 0), size)
     after = size - before - sum(p.shape[d] for p in parts)
 
     def fill(rows):
         return x.new_full(shape[:d] + [rows] + shape[d + 1 :], w.fill)
 
-    parts = ([fill(before)] if before else []) + parts + ([fill(after)] if after else [])
+    # on a symbolic length a fill is kept unless it is empty at every length (no guard on its size)
+    parts = ([fill(before)] if _some(before) else []) + parts + ([fill(after)] if _some(after) else [])
     if len(parts) == 1:
         return parts[0]
     return torch.cat(parts, dim=d) if parts else fill(0)
+
+
+def _some(rows) -> bool:
+    """Whether ``rows`` may be more than none (at some length, for a symbolic one)."""
+    return not known_alike(rows == 0)
 
 
 def _identity(x):

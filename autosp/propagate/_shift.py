@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch import sym_max, sym_min
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .._context import Kernel
-from .._graph import out_vals, tensor_inputs
+from .._graph import hint, known_alike, out_vals, tensor_inputs
 from ._placement import P, R, chunks, offsets, shard, shard_specs
 from ._rules import cat_rule
 from ._strategy import Sets, Strategy, dedup, rule
@@ -112,14 +113,19 @@ def _pieces(size_in: int, size_out: int, n: int, reads) -> list[tuple[int, int, 
     ia, oa = offsets(ci), offsets(co)
     pieces = []
     for q in range(n):
-        if not co[q]:
+        if known_alike(co[q] == 0):
             continue
         lo, hi = reads(oa[q], co[q])
-        lo, hi = max(lo, 0), min(hi, size_in)
+        lo, hi = sym_max(lo, 0), sym_min(hi, size_in)
         for r in range(n):  # source: input rows ia[r] .. ia[r] + ci[r]
-            a, b = max(lo, ia[r]), min(hi, ia[r] + ci[r])
-            if b > a:
-                pieces.append((r, q, a, b - a))
+            # clamped into the source's rows, so a piece empty at some lengths is still a valid
+            # (empty) slice: on a symbolic length a piece is dropped only where it is empty at
+            # every length (comparing the bounds would guard the compile to this length's pieces)
+            end = ia[r] + ci[r]
+            a = sym_min(sym_max(lo, ia[r]), end)
+            rows = sym_max(sym_min(hi, end) - a, 0)
+            if not known_alike(rows <= 0):
+                pieces.append((r, q, a, rows))
     return pieces
 
 
@@ -145,7 +151,7 @@ def sent_bytes(pieces, n: int, row_bytes: float) -> float:
     sent = [0] * n
     for r, q, _, rows in pieces:
         if r != q:
-            sent[r] += rows
+            sent[r] += hint(rows)  # a cost: at the length the compile was first called with
     return max(sent) * row_bytes
 
 

@@ -75,7 +75,7 @@ def test_a_pad_to_a_multiple_of_a_chunk_runs_exact_on_symbolic_lengths(pools, ki
     length's symbol. Before, the step failed inside autosp ("PythonMod(-s50, 16) is not tracked
     with proxy", and the pad's size read as a number). Exact at every length, split, on two
     graphs for the 43 lengths 17..59 (past Dynamo's recompile limit of 8; the second is
-    ``guard_even_shards``': 17 makes an odd number of chunks, 18 an even one) and two for the
+    ``guard_even_shards``': 17 pads to 2 chunks, an even number, and 33 to 3) and two for the
     others (64: the pad is empty and the cat's zero-row piece specializes Dynamo's first graph to
     multiples of 16; 64 divides by the ranks, 37 does not). Before, 3 graphs for 17..27 and 4
     for the others, and 17..59 stopped at the recompile limit at the 9th length: the halo

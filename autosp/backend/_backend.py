@@ -154,9 +154,10 @@ def _localizer(graph: fx.GraphModule, inputs, outputs: int, planned, to_graph, c
     """(per_rank, tiling, guard_tiles) for ``graph``, solved as ``choice`` on ``planned`` (its
     hinted copy, ``to_graph`` mapping its nodes to ``graph``'s; None: no tiling, as for a forward
     only). ``per_rank(tiled=False)`` localizes ``graph`` for this rank, in ``tiling``'s tiles if
-    ``tiled``; with a symbolic length it first traces every other rank's graph too, each in its
-    own tiles (its rows are its own), for their guards (``every_rank_graphs``), and merges
-    common subexpressions where every rank's graph merges the same collectives (``cse_alike``)."""
+    ``tiled``; with a symbolic length it traces every rank's graph, each in its own tiles (its
+    rows are its own), for their guards (``every_rank_graphs``), and keeps this rank's, its
+    common subexpressions merged where every rank's graph merges the same collectives
+    (``cse_alike``)."""
     tiling, guard_tiles = (
         (None, None) if planned is None else plan_tiles(planned.graph, choice.strategy, ctx, symbolic=to_graph)
     )

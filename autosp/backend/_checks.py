@@ -1,7 +1,7 @@
 """Cross-rank checks at compile time: every rank of an sp group must build the same plan, issue
 the same collectives in the same order (``cse_alike`` keeps a merge from breaking that), and take
-the same checkpointing decision; a difference
-would be a hang (or a gloo abort) in the first step, so it is an error at compile time instead.
+the same checkpointing decision; a difference would be a hang (or a gloo abort) in the first
+step, so it is an error at compile time instead.
 
 The exchanges go through the c10d store, not a collective on the sp group: they take no slot in
 the group's collective sequence, and cannot deadlock with the gloo transport mid-compile (an

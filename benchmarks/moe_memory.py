@@ -23,7 +23,7 @@ import autosp
 from benchmarks.run import _peak, _reset_peak
 
 
-def measure(sp: int, seq: int, steps: int = 3) -> dict:
+def measure(sp: int, seq: int, steps: int = 3, experts: str | None = None) -> dict:
     import transformers as T
 
     torch.set_num_threads(1)
@@ -39,6 +39,7 @@ def measure(sp: int, seq: int, steps: int = 3) -> dict:
         max_position_embeddings=seq,
         use_cache=False,
         sliding_window=None,
+        **({} if experts is None else dict(experts_implementation=experts)),
     )
     torch.manual_seed(0)
     model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
@@ -57,7 +58,7 @@ def measure(sp: int, seq: int, steps: int = 3) -> dict:
             step(ids).backward()
             if i >= 2:
                 peaks.append(_peak("cpu") - base)
-    rec = {"sp": sp, "seq": seq, "peak_mib": min(peaks) / 2**20}
+    rec = {"sp": sp, "seq": seq, "experts": experts or "default", "peak_mib": min(peaks) / 2**20}
     if sp > 1:
         rec["predicted_mib"] = step.plan.memory.peak / 2**20
     return rec
@@ -67,5 +68,6 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--sp", type=int, default=2)
     ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--experts", default=None, help="HF's experts implementation (its default: grouped_mm)")
     args = ap.parse_args()
-    print(json.dumps(measure(args.sp, args.seq)))
+    print(json.dumps(measure(args.sp, args.seq, experts=args.experts)))

@@ -89,3 +89,29 @@ def test_no_strategy_shards_a_data_dependent_count():
     mul = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.mul.Tensor)
     found = strategies_for(mul, [frozenset({R, shard(0)}), frozenset({R})], 2)
     assert [(s.outs, s.ins) for s in found] == [((R,), (R, R))]
+
+
+def test_a_token_local_ops_working_set_is_measured_affine_in_rows_and_leaves_the_rng_alone():
+    """The memory model runs a token-local op's function on its own parameters at 2 small row
+    counts for what it allocates and frees inside (the liveness walk sees the op's inputs and
+    outputs only). ``tanh(h @ w) * rand_like(h)``, d = 16: 2 float temporaries of d per row live at
+    once besides the output, 128 bytes per row and nothing fixed; the backward's are more (its
+    function run again under ``vjp``). The run draws random numbers, and must not move the step's
+    RNG; with fake parameters (a plan without a model) nothing runs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autosp.partition._memory import _working_set_fit
+    from autosp.propagate._local import register
+
+    d = 16
+    w = torch.randn(d, d, requires_grad=True)
+    key = register(lambda h, w: torch.tanh(h @ w) * torch.rand_like(h), ("working set", w), (w,))
+    per_row = (((d,), torch.float32),)
+    state = torch.get_rng_state()
+    assert _working_set_fit(key, per_row, None) == (0.0, 8 * d)
+    assert torch.equal(torch.get_rng_state(), state)
+    fixed, per = _working_set_fit(key, (((d,), torch.float32), *per_row), (True, True))
+    assert per > 8 * d, (fixed, per)
+    with FakeTensorMode():
+        fake = register(lambda h, w: h @ w, ("fake", d), (torch.empty(d, d),))
+    assert _working_set_fit(fake, per_row, None) == (0.0, 0.0)

@@ -72,7 +72,7 @@ def _key(module, identity, device: str, amp: torch.dtype | None, lead: int, rows
     evaluated while Dynamo traces (a constant in the graph)."""
     names = tuple(name for name, _ in module.named_parameters())  # the order of module.parameters()
     run = functools.partial(_run, module, names, device, amp, lead, rows)
-    return register(run, (module, identity, device, amp, lead, rows))
+    return register(run, (module, identity, device, amp, lead, rows), tuple(module.parameters()))
 
 
 def _run(module, names, device, amp, lead: int, rows: int, *tensors):

@@ -25,27 +25,50 @@ from ._placement import P, R, shard
 from ._placement import shard_specs as _shards
 from ._strategy import Strategy, rule
 
-__all__ = ["TOKEN_LOCAL", "TOKEN_LOCAL_BACKWARD", "register"]
+__all__ = ["PARAMETERS", "TOKEN_LOCAL", "TOKEN_LOCAL_BACKWARD", "register", "run_backward", "run_forward"]
 
 # key -> the function the op runs; filled at capture, read by the op on every call of the step
 _FUNCTIONS: dict[int, Callable[..., torch.Tensor]] = {}
+# key -> the module's own parameters, the op's tensors after the rows (the memory model runs the
+# function on them)
+PARAMETERS: dict[int, tuple[torch.Tensor, ...]] = {}
 _KEYS: dict[tuple, int] = {}
 
 
-def register(fn: Callable[..., torch.Tensor], identity: tuple) -> int:
-    """The op's key for ``fn``; the same ``identity`` (what makes two calls one function: a module
-    and its implementation) always gets the same key, so a step captured again reuses it."""
+def register(fn: Callable[..., torch.Tensor], identity: tuple, parameters: tuple[torch.Tensor, ...]) -> int:
+    """The op's key for ``fn`` on ``parameters``; the same ``identity`` (what makes two calls one
+    function: a module and its implementation) always gets the same key, so a step captured again
+    reuses it."""
     key = _KEYS.get(identity)
     if key is None:
         key = _KEYS[identity] = len(_FUNCTIONS)
         _FUNCTIONS[key] = fn
+        PARAMETERS[key] = parameters
     return key
+
+
+def run_forward(key: int, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """What the op computes (also run by the memory model for its working set, ``partition._memory``)."""
+    with torch.no_grad():
+        return _FUNCTIONS[key](*tensors)
+
+
+def run_backward(key: int, grad: torch.Tensor, tensors: list[torch.Tensor], need: list[bool]) -> list[torch.Tensor]:
+    """The gradients of the ``need``-ed tensors, in order: the function run again under ``vjp``."""
+    wrt = [t for t, w in zip(tensors, need) if w]
+
+    def f(*ws):
+        it = iter(ws)
+        return _FUNCTIONS[key](*(next(it) if w else t for t, w in zip(tensors, need)))
+
+    # an op's kernel runs below autograd: torch.func's vjp is a transform of its own
+    _, vjp = torch.func.vjp(f, *wrt)
+    return list(vjp(grad))
 
 
 @torch.library.custom_op("autosp::token_local", mutates_args=())
 def token_local_op(key: int, rows: int, tensors: list[torch.Tensor]) -> torch.Tensor:
-    with torch.no_grad():
-        out = _FUNCTIONS[key](*tensors)
+    out = run_forward(key, tensors)
     ptr = out.untyped_storage().data_ptr()
     return out.clone() if any(ptr == t.untyped_storage().data_ptr() for t in tensors) else out
 
@@ -59,16 +82,7 @@ def _(key, rows, tensors):
 def token_local_backward_op(
     key: int, rows: int, grad: torch.Tensor, tensors: list[torch.Tensor], need: list[bool]
 ) -> list[torch.Tensor]:
-    """The gradients of the ``need``-ed tensors, in order."""
-    wrt = [t for t, w in zip(tensors, need) if w]
-
-    def f(*ws):
-        it = iter(ws)
-        return _FUNCTIONS[key](*(next(it) if w else t for t, w in zip(tensors, need)))
-
-    # an op's kernel runs below autograd: torch.func's vjp is a transform of its own
-    _, vjp = torch.func.vjp(f, *wrt)
-    return list(vjp(grad))
+    return run_backward(key, grad, tensors, need)
 
 
 @token_local_backward_op.register_fake

@@ -1,6 +1,7 @@
 """Peak memory of a mixture-of-experts model's training step per rank: an HF Mixtral (2 layers,
-hidden 128, 8 experts, top 2, random init) at one length, one rank's share of an sp job (a fake
-process group), against the same step compiled on one device; and autosp's prediction.
+hidden 128, 8 experts, top 2, random init; ``--experts``: HF's experts implementation) at one
+length, one rank's share of an sp job (a fake process group), against the same step compiled on
+one device; and autosp's prediction.
 
     for sp in 1 2 4; do MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0 \\
         python -m benchmarks.moe_memory --sp $sp --seq 4096; done

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import sympy
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -167,7 +167,8 @@ _FIT_ROWS = (64, 128)
 def _working_set_fit(key: int, per_row: tuple, need: tuple[bool, ...] | None) -> tuple[float, float]:
     """(bytes, bytes per row) of the op's working set beyond its inputs and outputs."""
     params = PARAMETERS.get(key, ())
-    if not params or any(p.is_meta or isinstance(p, FakeTensor) for p in params):
+    # not run on fake or meta parameters (a plan without a model), nor on FSDP's sharded DTensors
+    if not params or any(p.is_meta or type(p.detach()) is not torch.Tensor for p in params):
         return 0.0, 0.0
     dev = params[0].device
     sets = []

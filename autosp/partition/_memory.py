@@ -168,7 +168,7 @@ def _working_set_fit(key: int, per_row: tuple, need: tuple[bool, ...] | None) ->
     """(bytes, bytes per row) of the op's working set beyond its inputs and outputs."""
     params = PARAMETERS.get(key, ())
     # not run on fake or meta parameters (a plan without a model), nor on FSDP's sharded DTensors
-    if not params or any(p.is_meta or type(p.detach()) is not torch.Tensor for p in params):
+    if not params or any(p.is_meta or type(p) not in (torch.Tensor, torch.nn.Parameter) for p in params):
         return 0.0, 0.0
     dev = params[0].device
     sets = []

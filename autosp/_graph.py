@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.proxy_tensor import get_proxy_mode
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode
 from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_known_true
 from torch.fx.operator_schemas import normalize_function
 from torch.utils._pytree import tree_flatten
@@ -23,6 +23,7 @@ __all__ = [
     "hint",
     "retraced",
     "known_alike",
+    "fixed",
     "SYM_TYPES",
     "out_vals",
     "tensor_inputs",
@@ -86,6 +87,9 @@ def retraced(x):
     mode = get_proxy_mode()
     if mode is None or not isinstance(x, torch.SymInt) or not x.node.is_symbolic():
         return x
+    x = fixed(x)
+    if isinstance(x, int):
+        return x
     known = mode.tracer.sympy_expr_tracker
     expr = x.node.expr
     if expr in known or not all(sym in known for sym in expr.free_symbols):
@@ -113,6 +117,22 @@ def known_alike(cond) -> bool:
     if key not in answers:
         answers[key] = statically_known_true(cond)
     return answers[key]
+
+
+def fixed(x):
+    """``x`` as a plain int where the compile's guards fix its value: a size that the trace
+    writes as an expression of the length but that is one number at every length the graph runs
+    at. A pad to a multiple of a chunk of 16 then ``view(b, -1, 16, d)`` of a length up to 16 is
+    one chunk, guarded, and torch's view writes the chunk as ``X // (X // 16)`` (X the padded
+    length), which nothing simplifies: sharded, its rows were symbolic, and a flip's exchange of
+    them stopped the per-rank trace. Answered once per compile (``known_alike``)."""
+    if isinstance(x, torch.SymInt) and x.node.is_symbolic():
+        value = hint(x)
+        with disable_proxy_modes_tracing():  # a question of the shape env, not an op of the trace
+            known = known_alike(x == value)
+        if known:
+            return value
+    return x
 
 
 def _rounded_division(e) -> bool:

@@ -63,6 +63,7 @@ def test_models_run_exact_at_lengths_up_and_down_on_at_most_two_compiles(pools, 
     ("kind", "lengths", "graphs"),
     [
         ("embed_chunked", list(range(17, 60)), 2),
+        ("embed_chunked", [3, 33, 5, 1, 16], 3),
         ("embed_chunked_cat", [64, 37, 93, 20, 101, 58], 2),
         ("embed_chunked_ceil", [64, 37, 93, 20, 101, 58], 2),
     ],
@@ -87,7 +88,12 @@ def test_a_pad_to_a_multiple_of_a_chunk_runs_exact_on_symbolic_lengths(pools, ki
     alone at 19 (a reshape's contiguity check on its last chunk's rows) and both ranks stopped at
     the plan handshake's 5-minute timeout, one compiling, the other in a collective. The
     ``math.ceil`` form failed inside autosp with a raw "Cannot convert expression to float" (the
-    per-rank trace rebuilt its size through a float division; now a floor division)."""
+    per-rank trace rebuilt its size through a float division; now a floor division). Lengths up to
+    16 are one chunk, which Dynamo guards (3, 5 and 16 on one graph, 33 on a second, 1 on a third:
+    its size-1 specialization); torch's view writes that chunk's 16 rows as ``X // (X // 16)``, and
+    the plan shards them (the chunk dim has one row): the per-rank trace stopped in the backward's
+    flip ("... is not tracked with proxy", then a data-dependent guard on its exchanged rows).
+    Sizes the guards fix are numbers now (``_graph.fixed``)."""
     for r in pools(2).run(cases.many_lengths, kind, lengths):
         _exact(r["steps"])
         assert r["compiled"] == 1 and r["graphs"] == graphs, r

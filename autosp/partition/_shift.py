@@ -118,7 +118,7 @@ def _flipped(x: torch.Tensor, d: int, size: int, n: int, rank: int, group) -> to
 def _flip(nd, s, x, dims, *, ctx):
     """A flip along the sharded dim (the strategy's), then along its other dims locally."""
     d = shard_spec(s.ins[0])[0]
-    y = _flipped(x, d, out_vals(nd)[0].shape[d], ctx.n, ctx.rank, ctx.group)
+    y = _flipped(x, d, retraced(out_vals(nd)[0].shape[d]), ctx.n, ctx.rank, ctx.group)
     rest = [e for e in dims if e % x.ndim != d]
     return y.flip(rest) if rest else y
 

@@ -23,6 +23,8 @@ from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from .._graph import fixed
+
 __all__ = [
     "R",
     "P",
@@ -88,6 +90,7 @@ def chunks(block: int, n: int) -> list[int]:
     """How a block of ``block`` elements splits over ``n`` ranks (balanced): rank i holds
     ``ceil((block - i) / n)``, so the first ``block % n`` ranks hold one more. A symbolic block (a
     symbolic sequence length) gives symbolic chunks, with no guard on the length or its remainder."""
+    block = fixed(block)
     if isinstance(block, int):
         q, r = divmod(block, n)
         return [q + (i < r) for i in range(n)]

@@ -553,8 +553,22 @@ def _orderings(h):
     return routed + 0.5 * s + 0.25 * ranked + top.sum(-1, keepdim=True)
 
 
+def _indexed_writes(h):
+    """Writes into a buffer the ways a chunked scan writes: one index of a dim at a time
+    (``out[:, :, i] = ...``: Qwen3-Next's delta rule), and a slice of the features
+    (``out[..., 1:3] = ...``); under Dynamo, ``select_scatter`` and ``slice_scatter`` through the
+    whole of the dims before them, the sequence's included."""
+    g = h.unflatten(-1, (4, 4))
+    out = torch.zeros_like(g)
+    for i in range(4):
+        out[:, :, i] = g[:, :, i] * (i + 1)
+    out[..., 1:3] = out[..., 1:3] + g[..., :2]
+    return out.flatten(-2)
+
+
 OPS = {
     "orderings": _orderings,
+    "indexed_writes": _indexed_writes,
     "activations": lambda h: sum(
         f(h)
         for f in (

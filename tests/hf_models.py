@@ -107,13 +107,31 @@ _TINY = dict(
 )
 
 
+# Per-architecture sizes on top of ``_TINY``, where a default config shrunk so misses what the
+# model is: Qwen3-Next's layers alternate linear (gated delta rule) and full attention, and its
+# default of 512 experts is mostly router.
+_OVERRIDES = {
+    "qwen3_next": dict(
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    ),
+}
+
+
 def build_generic(model_type: str, attn: str, experts: str | None = None):
     """``experts``: a mixture-of-experts model's experts implementation (HF's default if None)."""
     import torch
     import transformers as T
 
     cfg = T.CONFIG_MAPPING[model_type]()
-    for k, v in _TINY.items():
+    for k, v in {**_TINY, **_OVERRIDES.get(model_type, {})}.items():
         with contextlib.suppress(AttributeError, ValueError, TypeError):
             setattr(cfg, k, v)
     for k in dir(cfg):

@@ -8,7 +8,9 @@ gradients torch does not tag pointwise (``softplus_backward``: Falcon-H1's Mamba
 and a triangular solve per token (``linalg_solve_triangular``, as chunked delta rules solve per
 chunk) were refused; each is now elementwise over the sequence. A router's ``topk``, ``sort`` and
 ``argsort`` along the features of tokens flattened from a batch of sequences were gathered
-(DTensor's strategies have no strided shard); they now keep it."""
+(DTensor's strategies have no strided shard); they now keep it. Writes into a buffer one index
+or slice at a time (``out[:, :, i] = ...``: ``select_scatter``, no rule, and ``slice_scatter``
+through the whole sequence, which DTensor's strategy gathered) are sharded alike."""
 
 import cases
 import pytest

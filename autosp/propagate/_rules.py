@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_true
 
 from .._context import Kernel
 from .._graph import nbytes, op_args, out_vals, tensor_inputs
@@ -613,6 +613,42 @@ def _select(node, A, n):
 def _select_bwd(node, A, n):
     sizes, dim = node.args[1], node.args[2] % len(node.args[1])
     return _dim_map_rule(node, A, n, [None if e == dim else (e if e < dim else e - 1) for e in range(len(sizes))])
+
+
+@rule(aten.select_scatter.default)
+def _select_scatter(node, A, n):
+    """``select_scatter(x, src, dim, index)``: ``x`` with ``src`` written at ``index`` along ``dim``
+    (a chunked scan writing one chunk at a time: Qwen3-Next's gated delta rule, heads sharded).
+    Sharded alike along any other dim (``src`` has no ``dim``), or partial sums alike (the result
+    is linear in the two together); along ``dim`` itself, whole."""
+    nd = _val(node).ndim
+    dim = op_args(node)["dim"] % nd
+    res = [Strategy((R,), (R, R))]
+    if P in A[0] and P in A[1]:
+        res.append(Strategy((P,), (P, P)))
+    dims = {(d, sf) for d, sf in _shards(A[0]) if d != dim} | {(e + (e >= dim), sf) for e, sf in _shards(A[1])}
+    for d, sf in sorted(dims, key=str):
+        res.append(Strategy((shard(d, sf),), (shard(d, sf), shard(d - (d > dim), sf))))
+    return _dedup(res)
+
+
+@rule(aten.slice_scatter.default)
+def _slice_scatter(node, A, n):
+    """``slice_scatter(x, src, dim, start, end, step)``: ``x`` with ``src`` written into a slice
+    along ``dim``; an indexed write under Dynamo (``out[:, :, i] = v``) writes through a slice of
+    every dim before the indexed one, the whole of it. Sharded alike along any other dim, and
+    along ``dim`` itself where the slice is all of it (``src`` is then the result); partial sums
+    alike (linear in the two together)."""
+    x, src = _val(node.args[0]), _val(node.args[1])
+    dim = op_args(node)["dim"] % x.ndim
+    whole = all(statically_known_true(a == b) for a, b in zip(x.shape, src.shape))
+    res = [Strategy((R,), (R, R))]
+    if P in A[0] and P in A[1]:
+        res.append(Strategy((P,), (P, P)))
+    for d, sf in sorted(set(_shards(A[0])) | set(_shards(A[1])), key=str):
+        if d != dim or whole:
+            res.append(Strategy((shard(d, sf),), (shard(d, sf), shard(d, sf))))
+    return _dedup(res)
 
 
 @rule(aten.cat.default)

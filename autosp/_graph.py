@@ -120,7 +120,7 @@ def known_alike(cond) -> bool:
 
 
 def fixed(x):
-    """``x`` as a plain int where the compile's guards fix its value: a size that the trace
+    """``x`` as a plain int where the compile's guards, as first asked, fix its value: a size the trace
     writes as an expression of the length but that is one number at every length the graph runs
     at. A pad to a multiple of a chunk of 16 then ``view(b, -1, 16, d)`` of a length up to 16 is
     one chunk, guarded, and torch's view writes the chunk as ``X // (X // 16)`` (X the padded

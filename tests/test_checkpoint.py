@@ -264,3 +264,25 @@ def test_a_repeated_rung_is_shown_once(fake_world):
     rows = str(ladder).split(" of [")[1]
     assert [rows.count(f"{x.name}: ") for x in r[:3]] == [1, 1, 1], str(ladder)
     assert rows.index(r[0].name) < rows.index(r[1].name) < rows.index(r[2].name)
+
+
+def test_auto_weighs_rungs_at_the_longer_length_where_every_rung_has_it():
+    """On a symbolic length "auto" takes the least memory within ``AUTO_OVERHEAD`` as each rung
+    predicts them at the longer length (``Rung.longer``), where the rungs differ; where one rung
+    has no such figures (a size unreadable there), every rung is weighed at the first length."""
+    from autosp.partition._checkpoint import AUTO_OVERHEAD, Checkpoint, Rung, RungSpec, select
+    from autosp.partition._memory import MemoryEstimate
+
+    def rung(threshold, peak, recompute, longer):
+        memory = MemoryEstimate(params=0, grads=0, saved=0, forward_peak=peak, backward_peak=peak)
+        return Rung(RungSpec("threshold", threshold), memory, recompute, 100.0, longer=longer)
+
+    over = 100 * AUTO_OVERHEAD + 1  # recompute past the limit at the first length
+    none = rung(0, 1000, 3.0, (2048, 9000, 0.01))
+    mid = rung(16, 1000, over, (2048, 7000, 0.05))  # ties at the first length, less memory longer
+    far = rung(48, 900, over, (2048, 5000, AUTO_OVERHEAD + 0.01))  # least memory, too slow longer
+    assert select("auto", [none, mid, far]) is mid
+    assert "(weighed at 2048 tokens, for every length)" in str(Checkpoint("auto", mid, (none, mid, far)))
+    unread = rung(48, 900, over, None)
+    assert select("auto", [none, mid, unread]) is none  # at the first length: only "none" fits
+    assert "weighed at" not in str(Checkpoint("auto", none, (none, mid, unread)))

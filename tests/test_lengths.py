@@ -244,3 +244,29 @@ def test_a_budget_takes_at_each_length_the_rung_a_static_compile_takes_on_a_comp
         assert r["rungs"] == s["rungs"] and len(set(r["rungs"])) == 3, (r["rungs"], s["rungs"])
         assert (r["compiled"], r["graphs"], s["graphs"]) == (1, 3, 6), r
         assert all(any("checkpoint budget: rung" in n for n in notes) for notes in r["notes"]), r["notes"]
+
+
+def test_auto_on_a_symbolic_length_takes_the_rung_of_a_longer_one(fake_world, L=128):
+    """``checkpoint="auto"`` on a symbolic length takes one rung for every length, weighed at
+    ``AUTO_LONGER`` (16) times the first length, where the rungs' memory differs: at 128 tokens
+    on 2 ranks every rung but the one that recomputes least costs over 10% of the step, so the
+    static plan keeps 'none'; the symbolic compile takes the rung the static compile at 2048
+    takes, and each rung's peak it reads at 2048 from its own graphs is what the static compile
+    at 2048 predicts for that rung. Before, the symbolic compile took the first length's 'none'
+    for every length: at 2048 tokens, 1.2x the memory of the rung it takes now."""
+    fake_world(2)
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig())
+    plans = {}
+    with autosp.mesh(sp=2):
+        for dynamic, length in ((True, L), (False, L), (False, 16 * L)):
+            ids = torch.randint(0, 256, (1, length))
+            step = autosp.shard(lambda a, b: model(a, b), compiler="aot_eager", dynamic=dynamic)
+            plans[dynamic, length] = autosp.explain(step, ids, ids).checkpoint
+    sym, short, long = plans[True, L], plans[False, L], plans[False, 16 * L]
+    assert short.chosen == "none" and sym.chosen == long.chosen != "none", (sym, short, long)
+    static = {r.name: r.memory.peak for r in long.rungs}
+    read = {r.name: r.longer[1] for r in sym.rungs if r.name in static}
+    assert {r.longer[0] for r in sym.rungs} == {16 * L} and len(read) >= 3, sym
+    assert all(abs(read[k] - static[k]) <= 0.02 * static[k] for k in read), (read, static)
+    assert static["none"] >= 1.2 * static[sym.chosen], static

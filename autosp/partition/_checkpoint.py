@@ -24,7 +24,9 @@ one:
 - ``"full"``: the least memory of the rungs that recompute every layer op ("full" and the tiled
   ones; reported under the name of the last threshold rung when that one already tags the same
   ops);
-- ``"auto"``: the least memory whose recompute costs at most ``AUTO_OVERHEAD`` of the step;
+- ``"auto"``: the least memory whose recompute costs at most ``AUTO_OVERHEAD`` of the step
+  (on a symbolic length, both read at ``AUTO_LONGER`` times the first length: one rung serves
+  every length, and it is the one that holds memory down where memory runs out);
 - an int: a budget in bytes per rank for the step's peak beyond parameters and optimizer
   state; the cheapest rung that fits, or an error naming the smallest budget that fits.
 """
@@ -45,7 +47,7 @@ from torch.fx.experimental.symbolic_shapes import free_symbols
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .._context import check_policy
-from .._graph import hint, is_attention, is_attention_backward, op_args, out_bytes
+from .._graph import hint, is_attention, is_attention_backward, op_args, out_bytes, out_vals
 from ..errors import PlanError
 from ._fsdp import GATHER as _FSDP_GATHER
 from ._fsdp import fsdp_tags
@@ -60,6 +62,14 @@ MACHINE_BALANCE = 16.0
 # time the default may cost (measured, small preset at 8192 tokens over 2: the "full" rung,
 # estimated +8.9%, ran +6% for half the memory; tests/memory_probe.py)
 AUTO_OVERHEAD = 0.10
+# on a symbolic length, "auto" weighs each rung's peak and overhead at this many times the length
+# the compile is first called with (the rungs tie at short lengths, where the gradients'
+# buffers make the peak: small preset, 64 tokens over 2, every rung 6.5 MiB; at 4096 tokens
+# they are 77 to 40 MiB), and takes the rung for every length
+AUTO_LONGER = 16
+# what reading a size at another length raises: a size with another symbol in it (a
+# data-dependent count's), or one that has no value there
+_UNREAD = (TypeError, ValueError, ZeroDivisionError)
 RUNGS = 5  # rungs between "none" and "full", at quantiles of the ops' cost per byte
 
 aten = torch.ops.aten
@@ -107,6 +117,9 @@ class Rung:
     recompute: float
     step: float
     attention: float = 0.0  # the part of ``step`` spent in attention (quadratic in the sequence)
+    # on a symbolic length: (length, predicted peak, overhead) at the length "auto" decides at
+    # (``AUTO_LONGER``), read from the same graphs; None elsewhere
+    longer: tuple[int, int, float] | None = None
 
     @property
     def name(self) -> str:
@@ -115,6 +128,11 @@ class Rung:
     @property
     def overhead(self) -> float:
         return self.recompute / max(self.step, 1.0)
+
+    @property
+    def weighed(self) -> tuple[int, float]:
+        """(peak, overhead) as "auto" weighs them: at the longer length where there is one."""
+        return self.longer[1:] if self.longer is not None else (self.memory.peak, self.overhead)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,8 +162,21 @@ class Checkpoint:
         shown: dict[str, Rung] = {}
         for r in self.rungs:
             shown.setdefault(r.name, r)
-        rows = ", ".join(f"{r.name}: {r.memory.peak / 2**20:.1f} MiB, +{r.overhead:.1%}" for r in shown.values())
-        return f"checkpoint={self.policy}: chose {self.chosen!r} of [{rows}]"
+        mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
+        rows = ", ".join(
+            f"{r.name}: {mib(r.memory.peak)}, +{r.overhead:.1%}"
+            + (f" ({mib(r.longer[1])}, +{r.longer[2]:.1%} at {r.longer[0]})" if r.longer else "")
+            for r in shown.values()
+        )
+        longer = _longer(self.rungs) if self.policy == "auto" else None
+        at = f" (weighed at {longer} tokens, for every length)" if longer else ""
+        return f"checkpoint={self.policy}: chose {self.chosen!r}{at} of [{rows}]"
+
+
+def _longer(rungs) -> int | None:
+    """The longer length every rung was weighed at as well, if every one was."""
+    lengths = {r.longer[0] if r.longer is not None else None for r in rungs}
+    return lengths.pop() if len(lengths) == 1 else None
 
 
 def select(policy, rungs: list[Rung], peaks: list[int] | None = None) -> Rung:
@@ -156,9 +187,10 @@ def select(policy, rungs: list[Rung], peaks: list[int] | None = None) -> Rung:
     if policy == "full":  # the least memory of the rungs that recompute every layer op
         full = [r for r in rungs if r.spec.kind == "full"] or rungs[-1:]
         return min(full, key=lambda r: (r.memory.peak, r.recompute))
-    if policy == "auto":
-        fits = [r for r in rungs if r.overhead <= AUTO_OVERHEAD] or rungs[:1]
-        return min(fits, key=lambda r: (r.memory.peak, r.overhead))
+    if policy == "auto":  # at the longer length where every rung has one (a symbolic length)
+        weigh = (lambda r: r.weighed) if _longer(rungs) else (lambda r: (r.memory.peak, r.overhead))
+        fits = [r for r in rungs if weigh(r)[1] <= AUTO_OVERHEAD] or rungs[:1]
+        return min(fits, key=weigh)
     # a budget: the first rung that fits (the ladder recomputes more at each rung), by index, so
     # that every rank takes the same one (each holds its own rungs against the ranks' largest peaks)
     peak = dict(zip(map(id, rungs), peaks or [r.memory.peak for r in rungs]))
@@ -184,37 +216,42 @@ def _region(nd: fx.Node) -> str | None:
     return None
 
 
-def _attention_flops(nd: fx.Node) -> float:
+def _attention_flops(nd: fx.Node, read: Callable = hint) -> float:
     """torch's flop counter has no formula for the CPU attention kernels: 4·B·H·Sq·Sk·D forward
-    (half of it causal), 2.5 times that backward (recomputed scores, four matmuls)."""
+    (half of it causal), 2.5 times that backward (recomputed scores, four matmuls). ``read``:
+    how sizes are read (at their hints; ``at_length`` for another length)."""
     args = op_args(nd)
     q, k = args["query"].meta["val"], args["key"].meta["val"]
     # ring and hybrid attention (``autosp::ring_attention``): this rank's rows against all S keys
     # (a node of the graph where the length is symbolic)
     keys = args.get("S", k.shape[2])
     keys = keys.meta["val"] if isinstance(keys, fx.Node) else keys
-    flops = 4.0 * q.shape[0] * q.shape[1] * q.shape[2] * keys * q.shape[3]
+    flops = 4.0 * read(q.shape[0] * q.shape[1] * q.shape[2] * keys * q.shape[3])
     causal = bool(args["is_causal"])
-    return hint(flops) * (0.5 if causal else 1.0) * (2.5 if is_attention_backward(nd.target) else 1.0)
+    return flops * (0.5 if causal else 1.0) * (2.5 if is_attention_backward(nd.target) else 1.0)
 
 
 _MATMULS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1), aten.baddbmm.default: (1, 2)}
 
 
-def _flops(nd: fx.Node) -> float:
+def _flops(nd: fx.Node, read: Callable = hint) -> float:
     """Matmul and attention flops from the shapes (what torch's flop counter counts, without
     running each op on fake tensors: 4 ms a node); every other op counts by its bytes."""
     if nd.target in _MATMULS:
         i, j = _MATMULS[nd.target]
         a, b = nd.args[i].meta["val"], nd.args[j].meta["val"]
-        return hint(2.0 * a.numel() * b.shape[-1])
+        return 2.0 * read(a.numel() * b.shape[-1])
     if is_attention(nd.target):
-        return _attention_flops(nd)
+        return _attention_flops(nd, read)
     return 0.0
 
 
-def _cost(nd: fx.Node) -> float:
-    return _flops(nd) + MACHINE_BALANCE * out_bytes(nd)
+def _cost(nd: fx.Node, read: Callable | None = None) -> float:
+    """A node's estimated cost, its sizes at their hints or read with ``read`` (``at_length``)."""
+    if read is None:
+        return _flops(nd) + MACHINE_BALANCE * out_bytes(nd)
+    written = sum(read(math.prod(v.shape)) * v.element_size() for v in out_vals(nd) if v is not None)
+    return _flops(nd, read) + MACHINE_BALANCE * written
 
 
 def _kind(nd: fx.Node) -> str:
@@ -370,41 +407,62 @@ def _layer_tags(
 @dataclass(frozen=True)
 class _Ladder:
     """The rungs of one per-rank joint graph (FSDP2's gathers tagged in every rung), the
-    checkpoint region of each tagged op, and each op's estimated cost."""
+    checkpoint region of each tagged op, and each op's estimated cost; with ``longer``, also at
+    the length "auto" weighs rungs at on a symbolic length: (that length, its size reader, the
+    costs there)."""
 
     graph: fx.GraphModule
     rungs: list[tuple[RungSpec, Tags]]
     regions: dict[str, int]
     cost: dict[str, float]
+    longer: tuple[int, Callable, dict[str, float]] | None = None
 
     @classmethod
-    def of(cls, gm: fx.GraphModule, tiles: int = 1) -> _Ladder:
-        cost = {nd.name: _cost(nd) for nd in gm.graph.nodes if nd.op == "call_function"}
+    def of(cls, gm: fx.GraphModule, tiles: int = 1, longer: tuple[int, Callable] | None = None) -> _Ladder:
+        ops = [nd for nd in gm.graph.nodes if nd.op == "call_function"]
+        cost = {nd.name: _cost(nd) for nd in ops}
         rungs, regions = _layer_tags(gm, cost, tiles)
         # FSDP2's parameter gathers: re-gathered in the backward (or kept) under every policy
         params = fsdp_tags(gm)
         regions = {**regions, **{k: region for k, (_, region) in params.items()}}
         rungs = [(spec, {**tags, **{k: tag for k, (tag, _) in params.items()}}) for spec, tags in rungs]
-        return cls(gm, rungs, regions, cost)
+        if longer is not None:
+            length, read = longer
+            try:
+                longer = (length, read, {nd.name: _cost(nd, read) for nd in ops})
+            except _UNREAD:
+                longer = None
+        return cls(gm, rungs, regions, cost, longer)
 
-    def cost_of(self, nd: fx.Node) -> float:
-        """A node's cost; a backward node is named as the forward op it recomputes."""
+    def cost_of(self, nd: fx.Node, longer: bool = False) -> float:
+        """A node's cost (at the longer length); a backward node is named as the forward op it
+        recomputes."""
+        if longer:
+            _, read, cost = self.longer
+            return cost[nd.name] if nd.name in cost else _cost(nd, read)
         return self.cost[nd.name] if nd.name in self.cost else _cost(nd)
 
-    def written(self) -> float:
+    def total(self, longer: bool = False) -> tuple[float, float]:
+        """The estimated cost of the whole step without recomputation, and of its attention."""
+        cost = self.longer[2] if longer else self.cost
+        ops = [nd for nd in self.graph.graph.nodes if nd.op == "call_function"]
+        return sum(cost[nd.name] for nd in ops), sum(cost[nd.name] for nd in ops if _kind(nd) == "attention")
+
+    def written(self, longer: bool = False) -> float:
         """The estimated cost of the ops that compute (not views or getitems)."""
+        cost = self.longer[2] if longer else self.cost
         return sum(
-            self.cost[nd.name]
+            cost[nd.name]
             for nd in self.graph.graph.nodes
             if nd.op == "call_function" and _kind(nd) not in ("view", "getitem")
         )
 
-    def recompute_cost(self, fw: fx.GraphModule, bw: fx.GraphModule) -> float:
+    def recompute_cost(self, fw: fx.GraphModule, bw: fx.GraphModule, longer: bool = False) -> float:
         """What the backward recomputes (FSDP's parameter gathers are communication, as FSDP2 runs
         them in every setting, not activation recompute)."""
         fw_names = {nd.name for nd in fw.graph.nodes if nd.op == "call_function"}
         return sum(
-            self.cost_of(nd)
+            self.cost_of(nd, longer)
             for nd in bw.graph.nodes
             if nd.op == "call_function" and nd.name in fw_names and nd.target is not _FSDP_GATHER
         )
@@ -413,7 +471,7 @@ class _Ladder:
 def _settled(policy, rung: Rung) -> bool:
     """Whether later rungs (recomputing more) cannot be the policy's choice."""
     if policy == "auto":
-        return rung.overhead > AUTO_OVERHEAD
+        return rung.weighed[1] > AUTO_OVERHEAD
     return isinstance(policy, int) and rung.memory.peak <= policy
 
 
@@ -469,8 +527,7 @@ def _budget_lengths(results, rung: Rung, budget: int, num_fwd_outputs: int, smal
         symbol, start = found
         try:
             limits = [_fit_limit(fw, bw, num_fwd_outputs, budget, symbol, start) for _, fw, bw in results]
-        except (TypeError, ValueError, ZeroDivisionError):  # a size with another symbol in it (the
-            # graphs' inputs have one only), or one that has no value at a length searched
+        except _UNREAD:  # the graphs' inputs have one symbol only; a size may have another
             limits = []  # no bound: every rank still exchanges, and none guards
     limits = smallest(limits)
     if not limits or found is None:
@@ -505,23 +562,39 @@ def _drop_dead_collectives(gm: fx.GraphModule) -> None:
 @dataclass(frozen=True)
 class _Partitioner:
     """AOTAutograd's min-cut partitioner on a tagged copy of a graph, and the rung it makes: the
-    memory it predicts and what its backward recomputes, against the step's cost."""
+    memory it predicts and what its backward recomputes, against the step's cost (that of the
+    untiled ``base`` ladder), at the graph's sizes and, where ``base`` has one, at the longer
+    length "auto" weighs rungs at."""
 
     joint_inputs: object
     num_fwd_outputs: int
     kwargs: dict
-    step: float  # the estimated cost of the whole step without recomputation
-    attention: float  # the part of it spent in attention
+    base: _Ladder
 
-    def __call__(self, ladder: _Ladder, spec: RungSpec, tags: Tags, extra: float = 0.0):
-        """(Rung, forward, backward); ``extra``: recompute cost beyond what the backward reruns."""
+    def __call__(self, ladder: _Ladder, spec: RungSpec, tags: Tags):
+        """(Rung, forward, backward); on a tiled ``ladder``, the tiles' joins and partial sums
+        count as recompute (views, the tiles' slices, write nothing)."""
         g = _tagged_copy(ladder.graph, tags, ladder.regions)
         fw, bw = partitioners.min_cut_rematerialization_partition(
             g, self.joint_inputs, num_fwd_outputs=self.num_fwd_outputs, **self.kwargs
         )
         _drop_dead_collectives(bw)
         memory = estimate_memory(fw, bw, self.num_fwd_outputs)
-        return Rung(spec, memory, ladder.recompute_cost(fw, bw) + extra, self.step, self.attention), fw, bw
+
+        def recompute(longer: bool = False) -> float:
+            extra = max(ladder.written(longer) - self.base.written(longer), 0.0) if ladder is not self.base else 0.0
+            return ladder.recompute_cost(fw, bw, longer) + extra
+
+        step, attention = self.base.total()
+        longer = None
+        if ladder.longer is not None and self.base.longer is not None:
+            length, read, _ = ladder.longer
+            try:
+                peak = estimate_memory(fw, bw, self.num_fwd_outputs, read).peak
+                longer = (length, peak, recompute(True) / max(self.base.total(True)[0], 1.0))
+            except _UNREAD:
+                longer = None
+        return Rung(spec, memory, recompute(), step, attention, longer), fw, bw
 
 
 def _climb(ladder: _Ladder, rungs, partition: _Partitioner, policy, every_rung: bool):
@@ -571,11 +644,13 @@ def checkpoint_partition(
     (``Checkpoint.lengths``, ``_budget_lengths``)."""
     check_policy(policy)
     every_rung = every_rung or isinstance(policy, int)
-    ladder = _Ladder.of(gm)
-    attention = sum(
-        ladder.cost[nd.name] for nd in gm.graph.nodes if nd.op == "call_function" and _kind(nd) == "attention"
-    )
-    partition = _Partitioner(joint_inputs, num_fwd_outputs, kwargs, sum(ladder.cost.values()), attention)
+    longer = None
+    found = _length_symbol(gm) if policy == "auto" else None
+    if found is not None:  # a symbolic length: one rung for every length, weighed at a longer one
+        symbol, start = found
+        longer = (AUTO_LONGER * start, at_length(symbol, AUTO_LONGER * start))
+    ladder = _Ladder.of(gm, longer=longer)
+    partition = _Partitioner(joint_inputs, num_fwd_outputs, kwargs, ladder)
     rungs = ladder.rungs
     if policy in ("none", "full") and not every_rung:
         rungs = rungs[:1] if policy == "none" else rungs[-1:]
@@ -584,12 +659,8 @@ def checkpoint_partition(
     # budget alike on every rank)
     weighs_tiles = policy != "none" and rungs[-1][0].kind == "full" and (every_rung or not settled)
     if tiled is not None and weighs_tiles:
-        tiled_ladder = _Ladder.of(tiled(), tiles)
-        # the tiles' joins and partial sums count as recompute (views, the tiles' slices, write nothing)
-        extra = max(tiled_ladder.written() - ladder.written(), 0.0)
-        results += [
-            partition(tiled_ladder, spec, tags, extra) for spec, tags in tiled_ladder.rungs if spec.kind == "full"
-        ]
+        tiled_ladder = _Ladder.of(tiled(), tiles, longer)
+        results += [partition(tiled_ladder, spec, tags) for spec, tags in tiled_ladder.rungs if spec.kind == "full"]
     evaluated = [r for r, _, _ in results]
     peaks = [r.memory.peak for r in evaluated]
     if largest is not None and isinstance(policy, int):

@@ -1505,6 +1505,12 @@ def _lengths_model(kind: str):
 
         def fn(m, ids):
             return m(input_ids=ids, labels=ids).loss
+    elif kind.endswith("_shift_logits"):  # a model of MODELS, the loss shifting its logits
+        model, vocab = MODELS[kind.removesuffix("_shift_logits")](), 256
+
+        def fn(m, ids):
+            logits = m(ids)
+            return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1))
     else:
         model, vocab = MODELS[kind](), 256
 
@@ -1521,6 +1527,7 @@ def many_lengths(
     dynamic: bool = True,
     min_tile_rows: int | None = None,
     checkpoint: str | int | None = None,
+    compiler: str = "aot_eager",
 ) -> dict:
     """One sharded step of ``kind`` ("embed": an embedding and a projection with its loss; "hf_"
     and an architecture of ``hf_models``; or a model of ``MODELS``) called with each of
@@ -1529,7 +1536,8 @@ def many_lengths(
     the graphs Dynamo compiled (its count), autosp's log lines about new shapes, and each call's
     checkpointing rung. ``min_tile_rows``: tile along the sequence from that many rows a tile
     (``tiled``; checkpoint="full" then takes the last tiled rung). ``checkpoint``: the policy
-    (by default "auto", or "full" with ``min_tile_rows``)."""
+    (by default "auto", or "full" with ``min_tile_rows``). ``compiler``: the backend compiler
+    (``"inductor"``, the default users run)."""
     import logging
 
     model, vocab, fn = _lengths_model(kind)
@@ -1545,9 +1553,7 @@ def many_lengths(
 
     def run():
         with torch._dynamo.config.patch(recompile_limit=limit), autosp.mesh():
-            step = autosp.shard(
-                lambda ids: fn(model, ids), compiler="aot_eager", dynamic=dynamic, checkpoint=checkpoint
-            )
+            step = autosp.shard(lambda ids: fn(model, ids), compiler=compiler, dynamic=dynamic, checkpoint=checkpoint)
             for L in lengths:
                 ids = torch.randint(0, vocab, (1, L), generator=torch.Generator().manual_seed(L))
                 for p in [*model.parameters(), *ref.parameters()]:
@@ -1574,4 +1580,5 @@ def many_lengths(
         "rungs": rungs,
         "notes": notes,
         "flops": flops,  # matmul FLOPs at the last length: this rank's, one device's
+        "kinds": sorted({c.kind for c in step.plan.collectives}),  # the last length's plan
     }

@@ -33,29 +33,28 @@ __all__ = ["shifted", "window_rows", "HALO_KERNELS"]
 def _rows(x: torch.Tensor, d: int, size_in: int, pieces, n: int, rank: int, group) -> list[torch.Tensor]:
     """The input rows this rank's output rows read (``pieces``, of an input of ``size_in`` rows
     along ``d``), in order, from ``x`` (its rows of the input) and from the other ranks (one
-    all-to-all, when any rank needs another's rows)."""
+    all-to-all, when any rank needs another's rows). The exchange moves the rows along dim 0
+    (``movedim``), never flattened: on a symbolic length a piece's size is a clamped expression
+    of it (``Max(0, ...)``) that can be 0 at the compile's first length, and Inductor's lowering
+    of a reshape of such a slice stops (torch 2.13: "IndexError: pop from empty list" in
+    ``_dynamic_reshape_indexer``, a logits shift's backward on 2 ranks at 64 tokens)."""
     start = offsets(chunks(size_in, n))[rank]
-    shape = list(x.shape)
-
-    def rows_of(t, k):
-        return t.reshape(shape[:d] + [k] + shape[d + 1 :])
-
     if not any(r != q for r, q, _, _ in pieces):
         return [x.narrow(d, a - start, k) for r, q, a, k in pieces if q == rank]
-    row = math.prod(shape[:d] + shape[d + 1 :])
-    send = [(q, x.narrow(d, a - start, k)) for r, q, a, k in pieces if r == rank and q != rank]
+    send = [(q, x.narrow(d, a - start, k).movedim(d, 0)) for r, q, a, k in pieces if r == rank and q != rank]
     send_sizes, recv_sizes = [0] * n, [0] * n
     for q, t in send:
-        send_sizes[q] = t.numel()
+        send_sizes[q] = t.shape[0]
     for r, q, _, k in pieces:
         if q == rank and r != rank:
-            recv_sizes[r] = k * row
-    buf = torch.cat([t.reshape(-1) for _, t in send]) if send else x.new_empty(0)
+            recv_sizes[r] = k
+    buf = torch.cat([t for _, t in send]) if send else x.narrow(d, 0, 0).movedim(d, 0).contiguous()
     y = funcol.all_to_all_single(buf, recv_sizes, send_sizes, group)
-    got = dict(enumerate(y.split(recv_sizes)))
-    parts = [x.narrow(d, a - start, k) if r == rank else rows_of(got[r], k) for r, q, a, k in pieces if q == rank]
+    got = {r: t.movedim(0, d) for r, t in enumerate(y.split(recv_sizes))}
+    parts = [x.narrow(d, a - start, k) if r == rank else got[r] for r, q, a, k in pieces if q == rank]
     if not any(q == rank and r != rank for r, q, _, _ in pieces):
-        parts.append(rows_of(y, 0))  # the exchange's result must be read, or it is dead code on this rank only
+        # the exchange's result must be read, or it is dead code on this rank only
+        parts.append(y.narrow(0, 0, 0).movedim(0, d))
     return parts
 
 

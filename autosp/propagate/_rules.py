@@ -309,10 +309,27 @@ def _dropout(node, A, n):
     return _elementwise(node, A, n)
 
 
-@rule(aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default)
+@rule(
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.full_like.default,
+    aten.empty_like.default,
+    aten.fill.Scalar,
+    aten.zero.default,
+)
 def _like(node, A, n):
-    res = _dim_map_rule(node, A, n, list(range(_val(node).ndim)), linear=node.target is aten.zeros_like.default)
-    return res
+    """A tensor of the input's shape, its values not read (``x.fill_(v)`` and ``x.zero_()`` are
+    ``fill`` and ``zero`` once functionalized): any placement of the input, the same out; a
+    zero fill also stays a partial sum."""
+    zero = node.target in (aten.zeros_like.default, aten.zero.default)
+    return _dim_map_rule(node, A, n, list(range(_val(node).ndim)), linear=zero)
+
+
+@rule(aten.fill.Tensor)
+def _fill_tensor(node, A, n):
+    """``x.fill_(t)`` with a 0-dim ``t``: the input's placement out, ``t`` replicated."""
+    kept = _dim_map_rule(node, A, n, list(range(_val(node).ndim)), linear=False)
+    return [Strategy(s.outs, (*s.ins, R)) for s in kept]
 
 
 # ---------------------------------------------------------------------------------------------

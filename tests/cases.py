@@ -1505,6 +1505,11 @@ def _lengths_model(kind: str):
 
         def fn(m, ids):
             return m(input_ids=ids, labels=ids).loss
+    elif kind.startswith("peer_"):  # a model of a peer library and its loss (``peer_models``)
+        import peer_models
+
+        model, fn = peer_models.BUILDERS[kind[5:]]()
+        vocab = peer_models.VOCAB
     elif kind.endswith("_shift_logits"):  # a model of MODELS, the loss shifting its logits
         model, vocab = MODELS[kind.removesuffix("_shift_logits")](), 256
 

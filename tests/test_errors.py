@@ -108,19 +108,52 @@ def test_grouped_query_heads_not_splittable_names_attention_op_and_line(fake_wor
         _explain(step, x)
 
 
+@torch.library.custom_op("autosp_test::row_mix", mutates_args=())
+def _row_mix(x: torch.Tensor) -> torch.Tensor:
+    """Every row mixed with every other along dim 1: an op autosp cannot know."""
+    return x.cumsum(1).flip(1)
+
+
+@_row_mix.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+_row_mix.register_autograd(lambda ctx, g: g.flip(1).flip(1).cumsum(1).flip(1))
+
+
 def test_op_without_rule_on_sharded_data_names_op_and_line(fake_world):
-    """Large enough that gathering the activation beats computing everything before it whole."""
+    """A custom op (no rule of autosp's or DTensor's) on a sequence shard: the error names the op,
+    the placement, the user's line and a fix. Large enough that gathering the activation beats
+    computing everything before it whole."""
     fake_world(2)
     emb = torch.nn.Embedding(16, 64)
 
     def step(ids):
-        return emb(ids).median(1).values.sum()  # a median along the sharded sequence: no rule
+        return _row_mix(emb(ids)).sum()  # an op of the user's own: no rule
 
     with pytest.raises(
         autosp.UnsupportedOpError,
-        match=r"no sharding rule for aten\.median.*S\(1\).*test_errors\.py:\d+.*median\(1\).*Fix:",
+        match=r"no sharding rule for autosp_test\.row_mix.*S\(1\).*test_errors\.py:\d+.*_row_mix\(emb.*Fix:",
     ):
         _explain(step, torch.randint(0, 16, (1, 512)))
+
+
+def test_a_median_along_the_sequence_is_gathered_and_explained(fake_world):
+    """DTensor's single-dim strategy for ``median.dim`` keeps a shard only off the reduced dim:
+    along the sequence the plan gathers (the backward's scatter of the median's indices, 1 x 1 x 64
+    int64) and ``explain`` says why, naming the line. Before DTensor's single-dim strategies were
+    read it was refused ("no sharding rule")."""
+    fake_world(2)
+    emb = torch.nn.Embedding(16, 64)
+
+    def step(ids):
+        return emb(ids).median(1).values.sum()  # a median along the sharded sequence
+
+    plan = _explain(step, torch.randint(0, 16, (1, 512)))
+    gathers = [c for c in plan.collectives if c.kind == "all_gather"]
+    assert len(gathers) == 1, plan.collectives
+    assert any("all-gathered for aten.scatter" in n and "test_errors.py" in n for n in plan.notes), plan.notes
 
 
 def test_graph_break_is_an_error_naming_the_line(fake_world):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -23,6 +22,7 @@ from ..propagate._shift import (
     conv_windows,
     flip_pieces,
     halo_pieces,
+    split_windows,
     unfold_windows,
     window_of,
 )
@@ -202,6 +202,11 @@ def _halo_call(nd, s, target, args, kwargs, ctx):
         return functools.partial(_unfold, nd, ctx=ctx), args, kwargs
     if target is torch.ops.aten.unfold_backward.default:
         return functools.partial(_unfold_backward, nd, ctx=ctx), args, kwargs
+    if target in (torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default):
+        with disable_proxy_modes_tracing():
+            _, ws = split_windows(nd)
+        ws = [_retraced_window(w) for w in ws]
+        return _split_shifted, (args[0], ws, ctx), {}
     if target in (torch.ops.aten.cat.default, torch.ops.aten.roll.default):
         pieces = args[0] if target is torch.ops.aten.cat.default else [args[0]] * 2
         with disable_proxy_modes_tracing():
@@ -210,6 +215,11 @@ def _halo_call(nd, s, target, args, kwargs, ctx):
         y = torch.cat([window_rows(x, w, ctx.n, ctx.rank, ctx.group) for x, w in zip(pieces, ws)], dim=dim)
         return (torch.roll, (y, *rest), {}) if rest[0] else (_identity, (y,), {})
     return _identity, (shifted(args[0], _traced_window(nd), ctx.n, ctx.rank, ctx.group),), {}
+
+
+def _split_shifted(x, ws, ctx) -> list[torch.Tensor]:
+    """This rank's rows of each output of a split along the sharded dim."""
+    return [shifted(x, w, ctx.n, ctx.rank, ctx.group) for w in ws]
 
 
 def _traced_window(nd) -> Window:

@@ -29,7 +29,7 @@ from ._placement import shard_specs as _shards
 from ._strategy import PROVENANCE, RULES, Sets, Strategy, provenance, rule
 from ._strategy import dedup as _dedup
 
-__all__ = ["strategies_for", "VIEW_OPS", "cat_rule", "FILLED_FACTORIES", "selection_read"]
+__all__ = ["strategies_for", "VIEW_OPS", "cat_rule", "split_rule", "FILLED_FACTORIES", "selection_read"]
 
 aten = torch.ops.aten
 
@@ -729,8 +729,10 @@ def _copy(node, A, n):
     return _dedup(res)
 
 
-@rule(aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
-def _split(node, A, n):
+@rule(aten.unbind.int)
+def split_rule(node, A, n):
+    """A split or unbind: every output as the input along any dim it does not split (a split
+    along the sequence: ``propagate._shift``)."""
     x = _val(node.args[0])
     unbind = node.target is aten.unbind.int
     dim = (

@@ -23,7 +23,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from .._context import Kernel
 from .._graph import hint, known_alike, out_vals, tensor_inputs
 from ._placement import P, R, chunks, offsets, shard, shard_specs
-from ._rules import cat_rule
+from ._rules import cat_rule, split_rule
 from ._strategy import Sets, Strategy, dedup, rule
 
 __all__ = [
@@ -368,6 +368,37 @@ def _cat(node, A, n):
         if st is not None:
             res = dedup([*res, st])
     return res
+
+
+def split_windows(node: fx.Node) -> tuple[int, list[Window]] | None:
+    """(dim, one window per output) of a split: output i is the input's rows a_i .. a_i + k_i."""
+    if node.target not in (aten.split.Tensor, aten.split_with_sizes.default):
+        return None
+    x = out_vals(node.args[0])[0]
+    dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % x.ndim
+    sizes = [v.shape[dim] for v in out_vals(node)]
+    return dim, [Window(dim, x.shape[dim], k, a) for k, a in zip(sizes, offsets(sizes))]
+
+
+@rule(aten.split.Tensor, aten.split_with_sizes.default)
+def _split(node, A, n):
+    """Along any dim it does not split (``split_rule``); along the sharded dim, each output a
+    window of the input's rows, sharded over the ranks in its own right: one output is the input
+    (litgpt's ``chunked_cross_entropy`` with chunks longer than the sequence), several exchange
+    the rows each rank's share of each output reads (floating-point data only; integer and bool
+    bookkeeping stays replicated). Before, a split along the sequence all-gathered the input."""
+    res = split_rule(node, A, n)
+    dim, ws = split_windows(node)
+    x = out_vals(node.args[0])[0]
+    for d, sf in shard_specs(A[0]):
+        if d != dim or sf != 1:
+            continue
+        if len(ws) == 1:
+            res.append(Strategy((shard(d),), (shard(d),)))
+        elif _float(x):
+            comm = sum(halo_bytes(w, n, _row_bytes(x, d)) for w in ws)
+            res.append(Strategy((shard(d),) * len(ws), (shard(d),), kernel=Kernel.HALO, comm=comm))
+    return dedup(res)
 
 
 @rule(aten.roll.default)

@@ -22,7 +22,26 @@ from .._graph import hint, out_vals, tensor_inputs
 from ._placement import R, exact, is_even, shard, shard_spec
 from ._strategy import Strategy, dedup
 
-__all__ = ["dtensor_strategies"]
+__all__ = ["DISPATCH_OPS", "dtensor_strategies"]
+
+# Ops that move tokens by data-dependent indices (an MoE layer's dispatch, HF's mask bookkeeping
+# ``padding_mask[batch_idx, kv_idx]``). autosp gives them no rule on purpose, and DTensor's
+# single-dim strategies are not read for them: such an op runs replicated, on index and mask data
+# computed whole from replicated inputs for free, and one that would read sharded activations is
+# refused (``_solver._check_no_rule`` suggests ``autosp.token_local``). DTensor's strategies for
+# them (the indexed tensor split along its other dims, the indices split) gave plans that gather
+# the bool mask afterwards, or carry a dispatch split along the hidden dim into a custom op.
+DISPATCH_OPS = {
+    torch.ops.aten.index_add.default,
+    torch.ops.aten.index_put.default,
+    torch.ops.aten.index_put_.default,
+    torch.ops.aten._index_put_impl_.default,
+    torch.ops.aten.index.Tensor,
+    torch.ops.aten.index_select.default,
+    torch.ops.aten.nonzero.default,
+    torch.ops.aten.bincount.default,
+    torch.ops.aten.histc.default,
+}
 
 
 def dtensor_strategies(node: fx.Node, A, n: int, mesh) -> list[Strategy] | None:
@@ -31,6 +50,8 @@ def dtensor_strategies(node: fx.Node, A, n: int, mesh) -> list[Strategy] | None:
     if not isinstance(op, torch._ops.OpOverload) or mesh is None:
         return None
     if op in prop.op_single_dim_strategy_funcs and op not in prop.op_strategy_funcs:
+        if op in DISPATCH_OPS:
+            return None
         return _single_dim_strategies(node, A, n, prop.op_single_dim_strategy_funcs[op])
     fn = prop.op_strategy_funcs.get(op)
     if fn is None:

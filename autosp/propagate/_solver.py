@@ -35,6 +35,7 @@ from .._context import Kernel, SpContext
 from .._graph import nbytes, out_vals, tensor_inputs
 from ..errors import PlanError, UnsupportedOpError
 from ._annotate import ANNOTATE
+from ._dtensor import DISPATCH_OPS
 from ._placement import R, is_shard, redistribute_kind, shard_spec, transfer_bytes
 from ._propagate import Candidates, Key
 from ._rules import VIEW_OPS
@@ -185,25 +186,13 @@ def _add_edge(prog: _Program, c: Candidates, choose: dict, edge, j: int, n: int,
         prog.equal([(flow[(p, q)], 1.0) for p in produced if (p, q) in flow] + taken, 1.0 if is_output else 0.0)
 
 
-# ops that move tokens by data-dependent indices (an MoE layer's dispatch)
-_DISPATCH_OPS = {
-    torch.ops.aten.index_add.default,
-    torch.ops.aten.index_put.default,
-    torch.ops.aten.index.Tensor,
-    torch.ops.aten.index_select.default,
-    torch.ops.aten.nonzero.default,
-    torch.ops.aten.bincount.default,
-    torch.ops.aten.histc.default,
-}
-
-
 def _check_no_rule(c: Candidates, chosen: dict[fx.Node, Strategy]) -> None:
     """An op without a rule may read only what needs no collective to reach it replicated."""
     for nd in c.no_rule:
         for (u, i), q in zip(tensor_inputs(nd), chosen[nd].ins):
             src = chosen[u].outs[i]
             if redistribute_kind(src, q):
-                dispatch = nd.target in _DISPATCH_OPS
+                dispatch = nd.target in DISPATCH_OPS
                 raise UnsupportedOpError(
                     nd,
                     f"no sharding rule for {nd.target}, and its input {u.name} is {src} here",

@@ -110,8 +110,11 @@ class Pool:
                 rank, ok, value = self.outq.get(timeout=2.0)
             except queue.Empty:
                 dead = [(r, p.exitcode) for r, p in enumerate(self.procs) if not p.is_alive()]
-                if dead:
-                    self._fail(f"pool of {self.world}: worker(s) died (rank, exit code) {dead} during {what}")
+                if dead:  # with what the others said meanwhile (a collective that lost its peer)
+                    self._fail(
+                        f"pool of {self.world}: worker(s) died (rank, exit code) {dead} during {what}"
+                        + "".join("\n" + e for e in errors)
+                    )
                 if time.monotonic() > deadline:
                     self._fail(
                         f"pool of {self.world}: no answer within {timeout} s from {self.world - answered} "

@@ -1587,3 +1587,24 @@ def many_lengths(
         "flops": flops,  # matmul FLOPs at the last length: this rank's, one device's
         "kinds": sorted({c.kind for c in step.plan.collectives}),  # the last length's plan
     }
+
+
+def hang_on_rank(rank: int) -> str:
+    """Rank ``rank`` never answers (sleeps for an hour); the others return at once."""
+    import time
+
+    if dist.get_rank() == rank:
+        time.sleep(3600)
+    return "answered"
+
+
+def exit_in_collective(rank: int) -> str:
+    """Rank ``rank`` exits (code 3) while the others wait for it in an all-reduce."""
+    import os
+    import time
+
+    if dist.get_rank() == rank:
+        time.sleep(1.0)  # the others are inside the all-reduce by now
+        os._exit(3)
+    dist.all_reduce(torch.ones(4))
+    return "reduced"

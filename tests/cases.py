@@ -9,6 +9,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor.experimental import register_sharding
 
 import autosp
 from examples.models import GPT, GPTConfig, Llama, LlamaConfig
@@ -566,8 +567,46 @@ def _indexed_writes(h):
     return out.flatten(-2)
 
 
+@torch.library.custom_op("autosp_cases::bucket_add", mutates_args=())
+def bucket_add(x: torch.Tensor, idx: torch.Tensor, buckets: int) -> torch.Tensor:
+    """A custom scatter-add: each feature j of every token added into bucket ``idx[j]``."""
+    out = x.new_zeros(*x.shape[:-1], buckets)
+    return out.index_add_(-1, idx, x)
+
+
+@bucket_add.register_fake
+def _(x, idx, buckets):
+    return x.new_empty(*x.shape[:-1], buckets)
+
+
+def _bucket_add_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1])
+    ctx.shape = inputs[0].shape
+
+
+def _bucket_add_backward(ctx, g):
+    (idx,) = ctx.saved_tensors
+    return g.gather(-1, idx.expand(ctx.shape)), None, None
+
+
+bucket_add.register_autograd(_bucket_add_backward, setup_context=_bucket_add_setup)
+
+
+@register_sharding(torch.ops.autosp_cases.bucket_add.default)
+def _bucket_add_sharding(x, idx, buckets):
+    """The user's rule: per token, so split alike along any dim but the features."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    alike = [([Shard(d)], [Shard(d), Replicate(), None]) for d in range(len(x.shape) - 1)]
+    return [([Replicate()], [Replicate(), Replicate(), None]), *alike]
+
+
 OPS = {
     "orderings": _orderings,
+    # a custom op given a rule by the user (DTensor's register_sharding)
+    "registered_custom_op": lambda h: (
+        bucket_add(h, torch.arange(h.shape[-1]) % 5, 5).sigmoid().repeat(1, 1, 4)[..., :16]
+    ),
     "indexed_writes": _indexed_writes,
     "activations": lambda h: sum(
         f(h)

@@ -124,8 +124,9 @@ _row_mix.register_autograd(lambda ctx, g: g.flip(1).flip(1).cumsum(1).flip(1))
 
 def test_op_without_rule_on_sharded_data_names_op_and_line(fake_world):
     """A custom op (no rule of autosp's or DTensor's) on a sequence shard: the error names the op,
-    the placement, the user's line and a fix. Large enough that gathering the activation beats
-    computing everything before it whole."""
+    the placement, the user's line and a fix (DTensor's ``register_sharding`` among them: a
+    registered custom op is exact and split, test_ops ``registered_custom_op``). Large enough that
+    gathering the activation beats computing everything before it whole."""
     fake_world(2)
     emb = torch.nn.Embedding(16, 64)
 
@@ -134,7 +135,8 @@ def test_op_without_rule_on_sharded_data_names_op_and_line(fake_world):
 
     with pytest.raises(
         autosp.UnsupportedOpError,
-        match=r"no sharding rule for autosp_test\.row_mix.*S\(1\).*test_errors\.py:\d+.*_row_mix\(emb.*Fix:",
+        match=r"no sharding rule for autosp_test\.row_mix.*S\(1\).*test_errors\.py:\d+.*_row_mix\(emb.*Fix:.*"
+        r"register_sharding",
     ):
         _explain(step, torch.randint(0, 16, (1, 512)))
 

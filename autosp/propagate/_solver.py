@@ -202,6 +202,12 @@ def _check_no_rule(c: Candidates, chosen: dict[fx.Node, Strategy]) -> None:
                         if dispatch
                         else ""
                     )
+                    + (
+                        "give the op a rule with torch.distributed.tensor.experimental.register_sharding "
+                        "(autosp takes the placements it runs exactly), "
+                        if getattr(nd.target, "namespace", "aten") not in ("aten", "prims")
+                        else ""
+                    )
                     + "express the computation with supported ops, or pin its inputs replicated "
                     "with autosp.annotate(x, 'R') before it (costs an all-gather)",
                 )

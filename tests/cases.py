@@ -1590,7 +1590,7 @@ def many_lengths(
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())
     logging.getLogger("autosp").addHandler(handler)
-    steps, rungs, flops, before = [], [], [], _compiles()
+    steps, rungs, flops, before, errs = [], [], [], _compiles(), {}
     if checkpoint is None:
         checkpoint = "auto" if min_tile_rows is None else "full"
     notes: list[tuple[str, ...]] = []
@@ -1608,7 +1608,8 @@ def many_lengths(
                 notes.append(step.plan.notes)
                 loss_ref = fn(ref, ids)
                 loss_ref.backward()
-                steps.append((loss.item(), loss_ref.item(), max(_grad_errors(model, ref).values())))
+                errs.update(_grad_errors(model, ref))
+                steps.append((loss.item(), loss_ref.item(), max(errs.values())))
             flops.extend((_matmul_flops(lambda: step(ids)), _matmul_flops(lambda: fn(ref, ids))))
             return step
 
@@ -1625,6 +1626,7 @@ def many_lengths(
         "notes": notes,
         "flops": flops,  # matmul FLOPs at the last length: this rank's, one device's
         "kinds": sorted({c.kind for c in step.plan.collectives}),  # the last length's plan
+        "grad_err": errs,  # each parameter's gradient error at the last length
     }
 
 

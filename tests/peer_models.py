@@ -263,6 +263,17 @@ def build_torchtitan_qwen3_moe(attn: str = "sdpa", seed: int = 0):
     return _titan_finish(config, attn, seed)
 
 
+def _token_local_moe(built):
+    """Every torchtitan ``MoE`` layer of ``built`` marked ``autosp.token_local`` (its router,
+    local dispatch, experts and ``deterministic_scatter_add``, a counter buffer updated in place)."""
+    import autosp
+
+    model, fn = built
+    marked = [autosp.token_local(m) for m in model.modules() if type(m).__name__ == "MoE"]
+    assert marked, "no MoE layer"
+    return model, fn
+
+
 def build_torchtitan_deepseek_v3(attn: str = "sdpa", seed: int = 0):
     """torchtitan DeepSeekV3Model: MLA attention, layer 0 dense, layer 1 MoE
     (4 routed experts top-2 + 1 shared expert), yarn ComplexRoPE."""
@@ -603,6 +614,8 @@ BUILDERS = {
     "torchtitan_qwen3": build_torchtitan_qwen3,
     "torchtitan_qwen3_moe": build_torchtitan_qwen3_moe,
     "torchtitan_deepseek_v3": build_torchtitan_deepseek_v3,
+    "torchtitan_qwen3_moe_marked": lambda **kw: _token_local_moe(build_torchtitan_qwen3_moe(**kw)),
+    "torchtitan_deepseek_v3_marked": lambda **kw: _token_local_moe(build_torchtitan_deepseek_v3(**kw)),
     "torchtune_llama3_2": build_torchtune_llama3_2,
     "torchtune_qwen2": build_torchtune_qwen2,
     "torchtune_gemma2": build_torchtune_gemma2,

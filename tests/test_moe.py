@@ -105,7 +105,7 @@ def test_a_token_local_ops_working_set_is_measured_affine_in_rows_and_leaves_the
 
     d = 16
     w = torch.randn(d, d, requires_grad=True)
-    key = register(lambda h, w: torch.tanh(h @ w) * torch.rand_like(h), ("working set", w), (w,))
+    key = register(lambda h, w, scratch: torch.tanh(h @ w) * torch.rand_like(h), ("working set", w), (w,))
     per_row = (((d,), torch.float32),)
     state = torch.get_rng_state()
     assert _working_set_fit(key, per_row, None) == (0.0, 8 * d)
@@ -113,5 +113,5 @@ def test_a_token_local_ops_working_set_is_measured_affine_in_rows_and_leaves_the
     fixed, per = _working_set_fit(key, (((d,), torch.float32), *per_row), (True, True))
     assert per > 8 * d, (fixed, per)
     with FakeTensorMode():
-        fake = register(lambda h, w: h @ w, ("fake", d), (torch.empty(d, d),))
+        fake = register(lambda h, w, scratch: h @ w, ("fake", d), (torch.empty(d, d),))
     assert _working_set_fit(fake, per_row, None) == (0.0, 0.0)

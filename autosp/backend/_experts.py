@@ -75,12 +75,16 @@ def _key(module, identity, device: str, amp: torch.dtype | None, lead: int, rows
     return register(run, (module, identity, device, amp, lead, rows), tuple(module.parameters()))
 
 
-def _run(module, names, device, amp, lead: int, rows: int, *tensors):
+def _run(module, names, device, amp, lead: int, rows: int, *tensors, scratch: bool = False):
     # through the module's forward, outside compile (HF's dispatch picks the implementation
-    # again), on this rank's tokens as one run of tokens under the leading dims
+    # again), on this rank's tokens as one run of tokens under the leading dims; ``scratch``: on
+    # copies of its buffers (``propagate._local.run_forward``)
     xs = [t.reshape(*(1,) * (lead - 1), *t.shape) for t in tensors[:rows]]
+    state = dict(zip(names, tensors[rows:]))
+    if scratch:
+        state.update((name, b.clone()) for name, b in module.named_buffers())
     with torch.autocast(device, dtype=amp, enabled=amp is not None):
-        out = torch.func.functional_call(module, dict(zip(names, tensors[rows:])), tuple(xs))
+        out = torch.func.functional_call(module, state, tuple(xs))
     first = tensors[0]
     if not isinstance(out, torch.Tensor) or out.shape != xs[0].shape or out.dtype != first.dtype:
         got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__

@@ -125,14 +125,18 @@ def _token_local_workspace(nd: fx.Node, read: Callable) -> int:
     """The working set of a token-local op (``propagate._local``: a mixture-of-experts layer run as
     one op) at the node's row count: affine in the rows, measured by running the op's function on
     its own parameters at 2 small row counts. The forward's is its temporaries (every expert's
-    activations at once with HF's grouped matmuls); the backward's, the function run again under
-    ``vjp``, holds them all until the gradients are taken. Fake or meta parameters (a plan with no
-    model) are not run: 0."""
+    activations at once with HF's grouped matmuls); the backward's, the function run again for
+    autograd, holds them all until the gradients are taken: at least the forward's (a custom op's
+    temporaries inside the function, as HF's ``grouped_mm_fallback`` loop's, are not seen by the
+    measure, which runs below the op; autograd's saved tensors may then be fewer). Fake or meta
+    parameters (a plan with no model) are not run: 0."""
     backward = nd.target is TOKEN_LOCAL_BACKWARD
     key, rows = nd.args[0], nd.args[1]
     tensors = [nd.args[2], *nd.args[3][:rows]] if backward else nd.args[2][:rows]
     per_row = tuple((tuple(read(d) for d in a.meta["val"].shape[1:]), a.meta["val"].dtype) for a in tensors)
     fit = _working_set_fit(key, per_row, tuple(nd.args[4]) if backward else None)
+    if backward:  # it runs the forward again, keeping what that frees: at least the forward's
+        fit = max(fit, _working_set_fit(key, per_row[1:], None), key=lambda f: f[1])
     return max(0, round(fit[0] + fit[1] * read(tensors[0].meta["val"].shape[0])))
 
 
@@ -183,7 +187,11 @@ def _working_set_fit(key: int, per_row: tuple, need: tuple[bool, ...] | None) ->
             ins = [*ts, *(p.detach() for p in params)]
             try:
                 with _LiveBytes(ins) as mem:
-                    out = [run_forward(key, ins)] if need is None else run_backward(key, ins[0], ins[1:], list(need))
+                    out = (
+                        [run_forward(key, ins, scratch=True)]
+                        if need is None
+                        else run_backward(key, ins[0], ins[1:], list(need))
+                    )
                     end = mem.live
             except (RuntimeError, IndexError, ValueError):  # it runs on the step's own rows, and says so there
                 return 0.0, 0.0

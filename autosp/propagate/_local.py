@@ -9,14 +9,18 @@ grouped matmuls and the scatter back all on the rank's own tokens.
 The op's tensors are ``rows`` token tensors (dim 0 indexes tokens, the same tokens in each, as
 ``(hidden_states, top_k_index, top_k_weights)``), then the function's parameters; its output is a
 token tensor like the first. The backward runs the function again on the same rows and takes its
-vector-Jacobian product (``torch.func.vjp``): a token's input gradient is its own, and a
-parameter's gradient is each rank's tokens' part of the sum (``Partial``). The function runs twice
+vector-Jacobian product (autograd's, on detached leaves): a token's input gradient is its own, and a
+parameter's gradient is each rank's tokens' part of the sum (``Partial``). The module's buffers are
+the rank's own: a forward that updates one in place (a count of the tokens each expert got) counts
+the rank's tokens, as under torchtitan's context parallelism (whose load-balancing update
+all-reduces the counts); the backward's second run updates copies. The function runs twice
 per step (forward, and again in the backward): its activations are never kept, as with
 checkpointing. Which functions become this op: ``backend._experts``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -36,9 +40,9 @@ _KEYS: dict[tuple, int] = {}
 
 
 def register(fn: Callable[..., torch.Tensor], identity: tuple, parameters: tuple[torch.Tensor, ...]) -> int:
-    """The op's key for ``fn`` on ``parameters``; the same ``identity`` (what makes two calls one
-    function: a module and its implementation) always gets the same key, so a step captured again
-    reuses it."""
+    """The op's key for ``fn(*tensors, scratch=...)`` (``run_forward``) on ``parameters``; the
+    same ``identity`` (what makes two calls one function: a module and its implementation) always
+    gets the same key, so a step captured again reuses it."""
     key = _KEYS.get(identity)
     if key is None:
         key = _KEYS[identity] = len(_FUNCTIONS)
@@ -47,23 +51,42 @@ def register(fn: Callable[..., torch.Tensor], identity: tuple, parameters: tuple
     return key
 
 
-def run_forward(key: int, tensors: list[torch.Tensor]) -> torch.Tensor:
-    """What the op computes (also run by the memory model for its working set, ``partition._memory``)."""
+def run_forward(key: int, tensors: list[torch.Tensor], scratch: bool = False) -> torch.Tensor:
+    """What the op computes (also run by the memory model for its working set, ``partition._memory``,
+    with ``scratch``: on copies of the module's buffers, which a forward may update in place, as
+    torchtitan's MoE counts the tokens each expert got; the step's own forward updates them)."""
     with torch.no_grad():
-        return _FUNCTIONS[key](*tensors)
+        return _FUNCTIONS[key](*tensors, scratch=scratch)
 
 
 def run_backward(key: int, grad: torch.Tensor, tensors: list[torch.Tensor], need: list[bool]) -> list[torch.Tensor]:
-    """The gradients of the ``need``-ed tensors, in order: the function run again under ``vjp``."""
-    wrt = [t for t, w in zip(tensors, need) if w]
+    """The gradients of the ``need``-ed tensors, in order: the function run again, on leaves
+    detached from the step's graph, and differentiated by autograd. (Not ``torch.func.vjp``: a
+    custom op's autograd formula inside the function, as torchtitan's ``deterministic_scatter_add``
+    has, runs under autograd but under no functorch transform.)"""
+    leaves = [t.detach().requires_grad_(w) for t, w in zip(tensors, need)]
+    wrt = [t for t, w in zip(leaves, need) if w]
+    with _with_autograd():
+        # on copies of the buffers: the forward already updated them once
+        out = _FUNCTIONS[key](*leaves, scratch=True)
+        grads = torch.autograd.grad(out, wrt, grad, allow_unused=True)
+    return [torch.zeros_like(t) if g is None else g for t, g in zip(wrt, grads)]
 
-    def f(*ws):
-        it = iter(ws)
-        return _FUNCTIONS[key](*(next(it) if w else t for t, w in zip(tensors, need)))
 
-    # an op's kernel runs below autograd: torch.func's vjp is a transform of its own
-    _, vjp = torch.func.vjp(f, *wrt)
-    return list(vjp(grad))
+def _with_autograd():
+    """Autograd back on inside an op's kernel (which runs with the autograd dispatch keys excluded
+    and grad mode off), the rest of the dispatch state as it is."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for k in (_KEY.AutogradFunctionality, _KEY.AutogradOther, _KEY.AutogradNestedTensor):
+        exclude = exclude.remove(k)
+    guard = torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
+    stack = contextlib.ExitStack()
+    stack.enter_context(guard)
+    stack.enter_context(torch.enable_grad())
+    return stack
+
+
+_KEY = torch._C.DispatchKey
 
 
 @torch.library.custom_op("autosp::token_local", mutates_args=())

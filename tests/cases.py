@@ -1649,3 +1649,63 @@ def exit_in_collective(rank: int) -> str:
         os._exit(3)
     dist.all_reduce(torch.ones(4))
     return "reduced"
+
+
+def defaults_exactness(family: str, lengths: list[int], dp: int = 1) -> dict:
+    """One training step of ``family`` at each of ``lengths`` under the defaults users run (Inductor,
+    symbolic lengths), against one device: per length (loss, one device's loss, worst gradient
+    error); the graphs compiled; the last plan's collective kinds; and this rank's matmul FLOPs
+    at the last length against one device's (forward and backward). Families: "hf_llama" (HF's
+    loss from ``labels``), "hf_mixtral" (HF's experts layers, token-local), "hf_llama_left_padding"
+    (a padding ``attention_mask``, each row padded differently, across shard boundaries), and
+    "llama" on a ``dp`` x sp mesh (each replica its own slice of a global batch, the gradients
+    averaged over the replicas by autosp as DDP does, against one device averaging the slices'
+    losses)."""
+    import hf_models
+
+    torch.manual_seed(0)
+    if family == "llama":
+        model, vocab = MODELS["llama"](), 256
+    else:
+        arch = family.removeprefix("hf_").removesuffix("_left_padding")
+        model = (hf_models.build if arch in hf_models.configs() else hf_models.build_generic)(arch, "sdpa")
+        vocab = 128
+    ref = copy.deepcopy(model)
+
+    def inputs(L: int) -> list[dict]:
+        """Each dp replica's keyword arguments at length L."""
+        g = torch.Generator().manual_seed(L)
+        ids = torch.randint(0, vocab, (dp, L), generator=g)
+        labels = ids.clone()
+        labels[:, : L // 4] = -100
+        kw = {"input_ids": ids, "labels": labels}
+        if family.endswith("_left_padding"):
+            pad = L // 3  # rank 0's rows all padding, rank 1's from the middle of the sequence
+            kw["attention_mask"] = torch.ones_like(ids).index_fill_(1, torch.arange(pad), 0)
+            labels[:, :pad] = -100
+        return [{k: v[r : r + 1] for k, v in kw.items()} for r in range(dp)]
+
+    def loss_of(m, **kw):
+        if family == "llama":
+            return m(kw["input_ids"], kw["labels"])
+        return m(**kw).loss
+
+    steps, before = [], _compiles()
+    with autosp.mesh(dp=dp) as mesh:
+        step = autosp.shard(lambda **kw: loss_of(model, **kw), compiler="inductor", dynamic=True)
+        for L in lengths:
+            for p in [*model.parameters(), *ref.parameters()]:
+                p.grad = None
+            mine = inputs(L)[mesh.dp_rank]
+            loss = step(**mine)
+            loss.backward()
+            losses = [loss_of(ref, **kw) for kw in inputs(L)]
+            (sum(losses) / dp).backward()
+            steps.append((loss.item(), losses[mesh.dp_rank].item(), max(_grad_errors(model, ref).values())))
+        flops = (_matmul_flops(lambda: step(**mine)), _matmul_flops(lambda: loss_of(ref, **mine)))
+    return {
+        "steps": steps,
+        "graphs": _compiles() - before,
+        "kinds": sorted({c.kind for c in step.plan.collectives}),
+        "flops": flops,
+    }

@@ -19,3 +19,13 @@ def assert_matmuls_split(results: list[dict], L: int) -> None:
     mine = [r["flops"][0] for r in results]
     assert single > 0 and sum(mine) <= 1.01 * single, (mine, single)
     assert max(mine) <= single * (math.ceil(L / world) + 1) / L, (mine, single)
+
+
+def tier(values: list, fast: list) -> list:
+    """``values`` for ``pytest.mark.parametrize``: those in ``fast`` in the fast tier (the README's
+    test command), the others marked ``slow`` (``scripts/full_suite.sh`` runs them)."""
+    import pytest
+
+    return [
+        v if v in fast else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.slow) for v in values
+    ]

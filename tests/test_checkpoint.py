@@ -12,6 +12,7 @@ from pathlib import Path
 import cases
 import pytest
 import torch
+from _checks import tier
 
 import autosp
 from examples.models import Llama, LlamaConfig
@@ -22,7 +23,10 @@ SMALL = dict(dim=256, layers=4, heads=8, kv_heads=4, ffn=768, vocab=256)
 
 @pytest.mark.parametrize(
     "kind,b,L,checkpoint",
-    [("llama", 2, 96, "none"), ("llama", 2, 96, "full"), ("llama", 2, 96, 64 * 2**20), ("gpt", 2, 48, "full")],
+    tier(
+        [("llama", 2, 96, "none"), ("llama", 2, 96, "full"), ("llama", 2, 96, 64 * 2**20), ("gpt", 2, 48, "full")],
+        [("llama", 2, 96, 64 * 2**20), ("gpt", 2, 48, "full")],
+    ),
 )
 def test_every_checkpoint_setting_matches_single_device(pools, kind, b, L, checkpoint):
     """Recomputation changes what the backward keeps, never what it computes: in fp64 (see
@@ -45,7 +49,7 @@ def test_no_collective_is_recomputed(pools):
     assert Counter(none) == Counter(full)
 
 
-@pytest.mark.parametrize("kind,b,L", [("llama", 2, 96), ("gpt", 1, 45)])
+@pytest.mark.parametrize("kind,b,L", tier([("llama", 2, 96), ("gpt", 1, 45)], [("gpt", 1, 45)]))
 def test_sequence_tiling_matches_single_device(pools, kind, b, L):
     """Tiled along the sequence (forced here from 8 rows a tile: Llama's 48 rows per rank in 6
     tiles; GPT's 45 tokens over 2 ranks, 23 and 22 rows, in 2 uneven tiles), the step is still
@@ -84,6 +88,7 @@ def _auto_rungs(fake_world):
     return _AUTO[0]
 
 
+@pytest.mark.slow
 def test_budget_takes_the_cheapest_rung_that_fits(fake_world):
     """A budget between the smallest and the largest predicted peak: the chosen rung fits it,
     and every rung that recomputes less does not."""
@@ -98,6 +103,7 @@ def test_budget_takes_the_cheapest_rung_that_fits(fake_world):
     assert "predicted peak memory per rank" in str(plan) and "checkpoint=" in str(plan)
 
 
+@pytest.mark.slow
 def test_tiled_rungs_need_the_least_memory(fake_world):
     """At 2048 tokens per rank the ladder ends in the tiled rungs, and tiling cuts the least
     predicted peak of the untiled rungs by more than a quarter (80 -> 57 MiB when measured)."""
@@ -107,6 +113,7 @@ def test_tiled_rungs_need_the_least_memory(fake_world):
     assert min(r.memory.peak for r in tiled) < 0.75 * min(r.memory.peak for r in rungs if r not in tiled)
 
 
+@pytest.mark.slow
 def test_budget_below_every_plan_names_the_smallest_that_fits(fake_world):
     rungs = _auto_rungs(fake_world)
     smallest = min(r.memory.peak for r in rungs)
@@ -124,6 +131,7 @@ def test_bad_checkpoint_setting_is_refused(bad):
         autosp.shard(lambda x: x, checkpoint=bad)
 
 
+@pytest.mark.slow
 def test_predicted_peak_is_within_15_percent_of_measured_rss():
     """The liveness walk over the partitioned graphs against one rank's measured peak RSS growth
     (fake process group, glibc mmapping every allocation over 64 KiB) at several lengths, N and
@@ -168,6 +176,7 @@ TINY_HF = dict(
 )
 
 
+@pytest.mark.slow
 def test_plan_fit_matches_a_full_depth_trace(fake_world):
     """``autosp plan`` traces 1 and 2 layers and extrapolates to the model's depth: for 3 layers,
     every rung's predicted peak is within 3% of a 3-layer trace at a new length once ``refine``
@@ -192,6 +201,7 @@ def test_plan_fit_matches_a_full_depth_trace(fake_world):
         assert fit.at(seq, "none").comm_bytes == pytest.approx(direct.comm_bytes, rel=0.01)
 
 
+@pytest.mark.slow
 def test_plan_command_prints_memory_and_longest_sequence(tmp_path):
     pytest.importorskip("transformers")
     config = tmp_path / "config.json"

@@ -4,10 +4,16 @@ does), and every parameter's gradient is the mean over the replicas (DDP's avera
 
 import cases
 import pytest
+from _checks import tier
 
 
-@pytest.mark.parametrize("kind,b,L", [("llama", 4, 64), ("gpt", 4, 45)])
-@pytest.mark.parametrize("dp", [2, 4, 1])
+@pytest.mark.parametrize(
+    "dp,kind,b,L",
+    tier(
+        [(dp, *m) for m in [("llama", 4, 64), ("gpt", 4, 45)] for dp in (2, 4, 1)],
+        [(2, "llama", 4, 64), (4, "gpt", 4, 45)],
+    ),
+)
 def test_dp_by_sp_matches_one_device_on_the_same_slices(pools, kind, b, L, dp):
     for r in pools(4).run(cases.dp_exactness, kind, b, L, dp):
         assert r["sp"] == 4 // dp

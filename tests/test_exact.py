@@ -1,8 +1,11 @@
 """The contract: a sharded step means what it means on one device."""
 
+import itertools
+
 import cases
 import pytest
 import torch
+from _checks import tier
 
 MODELS = [("llama", 2, 96), ("llama_manual", 1, 96), ("gpt", 2, 48)]
 # sequence lengths that do not divide by the number of ranks: uneven (balanced) shards, down to
@@ -10,8 +13,13 @@ MODELS = [("llama", 2, 96), ("llama_manual", 1, 96), ("gpt", 2, 48)]
 UNEVEN = [("llama", 2, 93, 2), ("llama", 2, 93, 4), ("llama_manual", 1, 7, 4), ("gpt", 2, 45, 4), ("llama", 1, 3, 4)]
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-@pytest.mark.parametrize("kind,b,L", MODELS)
+@pytest.mark.parametrize(
+    "kind,b,L,world",
+    tier(
+        [(*m, w) for m, w in itertools.product(MODELS, [1, 2, 4])],
+        [("llama", 2, 96, 2), ("llama_manual", 1, 96, 4), ("gpt", 2, 48, 2)],
+    ),
+)
 def test_loss_and_grads_match_single_device_fp32(pools, world, kind, b, L):
     """Catches any wrong placement, local shape or collective: the global loss on every rank and
     every parameter's gradient equal one device's within 1e-5 relative (fp32); and the work split
@@ -25,7 +33,7 @@ def test_loss_and_grads_match_single_device_fp32(pools, world, kind, b, L):
         assert world == 1 or r["kinds"] == ["all_reduce", "all_to_all"], r["kinds"]
 
 
-@pytest.mark.parametrize("kind,b,L,world", UNEVEN)
+@pytest.mark.parametrize("kind,b,L,world", tier(UNEVEN, [("llama", 2, 93, 2), ("gpt", 2, 45, 4)]))
 def test_any_sequence_length_is_exact(pools, kind, b, L, world):
     """No token dropped and no padding leaking: every position's loss and gradient counts once;
     and uneven shards are still split (no activation gathered)."""
@@ -41,8 +49,9 @@ def test_any_sequence_length_is_exact(pools, kind, b, L, world):
         assert r["kinds"] == (["all_gather"] if gathers else []) + ["all_reduce", "all_to_all"], r["kinds"]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("kind,b,L", MODELS)
+@pytest.mark.parametrize(
+    "kind,b,L,world", tier([(*m, w) for m, w in itertools.product(MODELS, [2, 4])], [("llama", 2, 96, 2)])
+)
 def test_adamw_trajectory_matches_single_device_fp64(pools, world, kind, b, L):
     """Parameters after 3 AdamW steps equal one device's. In fp64: Adam's first step divides each
     gradient element by its own magnitude, so fp32 roundoff in a near-zero element (1e-7 of the
@@ -53,8 +62,10 @@ def test_adamw_trajectory_matches_single_device_fp64(pools, world, kind, b, L):
         assert max(r["grad_err"].values()) <= 1e-10
 
 
+@pytest.mark.slow
 def test_inductor_step_matches_single_device(pools):
-    """The default compiler: Inductor's C++ kernels on the per-rank graph, collectives included."""
+    """The default compiler: Inductor's C++ kernels on the per-rank graph, collectives included.
+    (Slow tier: the fast tier's Inductor runs are tests/test_defaults.py's.)"""
     for r in pools(2).run(cases.exactness, "llama", 2, 96, 1, "inductor"):
         loss, loss_ref = r["loss"]
         assert abs(loss - loss_ref) <= 1e-5 * abs(loss_ref)
@@ -69,7 +80,7 @@ def test_annotate_is_a_hard_constraint_and_stays_exact(pools):
         assert any("annotate(h" in src for _, src in gathers), gathers
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", tier([2, 4], [4]))
 def test_fewer_kv_heads_than_ranks_stays_exact(pools, world):
     """Multi-query attention (1 KV head) on 2 and 4 ranks: K/V cannot be split by head, so they
     are gathered (the bytes of ALST's replicate-then-all-to-all); the result is still exact."""
@@ -79,7 +90,7 @@ def test_fewer_kv_heads_than_ranks_stays_exact(pools, world):
         assert max(r["grad_err"].values()) <= 1e-5
 
 
-@pytest.mark.parametrize("L,attention", [(93, "auto"), (93, "kv_gather")])
+@pytest.mark.parametrize("L,attention", tier([(93, "auto"), (93, "kv_gather")], [(93, "auto")]))
 def test_fewer_query_heads_than_ranks_stay_exact(pools, L, attention):
     """2 query heads over 4 ranks cannot be split by head: the query stays sequence-sharded and
     attention runs as a ring (K/V chunks passed around, causal zigzag), or, forced, against
@@ -103,6 +114,7 @@ def test_hybrid_attention_adamw_trajectory_matches_single_device_fp64(pools):
         assert max(r["grad_err"].values()) <= 1e-10
 
 
+@pytest.mark.slow
 def test_replicated_kv_heads_stay_exact(pools):
     """4 query / 2 K/V heads inside SDPA on 4 ranks: the K/V heads are replicated for Ulysses and
     their gradients summed back over the copies; loss and gradients as one device's (fp32), and
@@ -131,7 +143,7 @@ def test_grouped_query_heads_inside_the_op_stay_exact(pools):
         ]
 
 
-@pytest.mark.parametrize("kind", ["llama_6h", "llama_6h_manual"])
+@pytest.mark.parametrize("kind", tier(["llama_6h", "llama_6h_manual"], ["llama_6h"]))
 def test_query_heads_not_divisible_by_ranks_stays_exact(pools, kind):
     """6 heads over 4 ranks: Ulysses with an uneven head split (2, 2, 1, 1), for SDPA and for
     attention written with matmuls (its batched matmuls split (batch x heads) the same way)."""

@@ -10,6 +10,7 @@ import cases
 import pytest
 import torch
 import torch.fx as fx
+from _checks import tier
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, statically_known_true
 
 import autosp
@@ -23,6 +24,7 @@ def _exact(steps):
         assert abs(loss - ref) <= 1e-5 * abs(ref) and grad_err <= 1e-5, steps
 
 
+@pytest.mark.slow
 def test_two_hundred_distinct_lengths_run_exact_on_two_compiles(pools):
     """200 distinct lengths (odd and even, up and down; Dynamo's recompile limit is 8) run on two
     compiled graphs, every step exact against one device; the 9th, 50th and 200th among them.
@@ -45,7 +47,7 @@ def test_two_hundred_distinct_lengths_run_exact_on_two_compiles(pools):
         assert mine <= 0.6 * one, r["flops"]
 
 
-@pytest.mark.parametrize("kind", ["gpt", "hf_llama", "embed_shift_logits"])
+@pytest.mark.parametrize("kind", tier(["gpt", "hf_llama", "embed_shift_logits"], ["embed_shift_logits"]))
 def test_models_run_exact_at_lengths_up_and_down_on_at_most_two_compiles(pools, kind):
     """Other models (GPT's pre-shifted labels, a Hugging Face causal LM with its own label shift, a
     loss that shifts the logits instead, so a length S - 1 is sharded;
@@ -59,15 +61,15 @@ def test_models_run_exact_at_lengths_up_and_down_on_at_most_two_compiles(pools, 
         assert mine <= 0.6 * one, r["flops"]
 
 
-@pytest.mark.parametrize(
-    ("kind", "lengths", "graphs"),
-    [
-        ("embed_chunked", list(range(17, 60)), 2),
-        ("embed_chunked", [3, 33, 5, 1, 16], 3),
-        ("embed_chunked_cat", [64, 37, 93, 20, 101, 58], 2),
-        ("embed_chunked_ceil", [64, 37, 93, 20, 101, 58], 2),
-    ],
-)
+_CHUNKED = [
+    ("embed_chunked", list(range(17, 60)), 2),
+    ("embed_chunked", [3, 33, 5, 1, 16], 3),
+    ("embed_chunked_cat", [64, 37, 93, 20, 101, 58], 2),
+    ("embed_chunked_ceil", [64, 37, 93, 20, 101, 58], 2),
+]
+
+
+@pytest.mark.parametrize(("kind", "lengths", "graphs"), tier(_CHUNKED, [_CHUNKED[1]]))
 def test_a_pad_to_a_multiple_of_a_chunk_runs_exact_on_symbolic_lengths(pools, kind, lengths, graphs):
     """``F.pad(h, (0, 0, 0, (-s) % 16))`` (or by ``16 * math.ceil(s / 16) - s``, or a ``torch.cat``
     of zeros) then ``view(b, -1, 16, d)``
@@ -180,7 +182,7 @@ def test_the_tile_count_is_the_one_choice_that_recompiles(pools):
         assert tiles == ["2 tiles", "4 tiles", "2 tiles", "untiled", "4 tiles", "2 tiles"], r["rungs"]
 
 
-@pytest.mark.parametrize(("attn", "world"), [("sdpa", 2), ("gqa", 4)])
+@pytest.mark.parametrize(("attn", "world"), tier([("sdpa", 2), ("gqa", 4)], [("sdpa", 2)]))
 def test_a_symbolic_plan_is_the_static_plan_at_its_length(fake_world, attn, world, L=93):
     """The plan a symbolic compile makes (at the length it is first called with) moves what the
     static plan moves: the same collectives, each of the same bytes, forward and backward (the
@@ -228,6 +230,7 @@ def test_ring_attention_plans_on_a_symbolic_length(fake_world):
     assert plans[True].comm_bytes == pytest.approx(plans[False].comm_bytes, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_a_budget_takes_at_each_length_the_rung_a_static_compile_takes_on_a_compile_per_rung(pools):
     """``checkpoint=<bytes>`` on a symbolic length: the rung is the one a static compile at that
     length takes (the budget's peaks of every rung are read at other lengths from the same

@@ -5,6 +5,7 @@ all of them on the last rank, or none), masked sums over counts, sums, per-seque
 
 import cases
 import pytest
+from _checks import tier
 
 # world 2 for every case; world 4 for those whose normalization spans ranks in different ways
 CASES = [(c, 2) for c in cases.LOSS_FNS] + [
@@ -12,7 +13,7 @@ CASES = [(c, 2) for c in cases.LOSS_FNS] + [
 ]
 
 
-@pytest.mark.parametrize("case,world", CASES)
+@pytest.mark.parametrize("case,world", tier(CASES, [c for c in CASES if c[1] == 2]))
 def test_loss_edge_case_matches_single_device(pools, case, world):
     for r in pools(world).run(cases.loss_exactness, case, 2, 64):
         loss, ref = r["loss"]

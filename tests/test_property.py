@@ -50,6 +50,7 @@ def configurations(draw):
     }
 
 
+@pytest.mark.slow
 @_drawn(6)
 @given(cfg=configurations())
 def test_random_small_configurations_match_one_device(pools, cfg):

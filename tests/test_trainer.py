@@ -15,6 +15,7 @@ def _assert_same_losses(got: dict, want: dict, rtol: float, steps) -> None:
         assert abs(got[step] - want[step]) <= rtol * abs(want[step]), (step, got[step], want[step])
 
 
+@pytest.mark.slow
 def test_sequence_parallel_trainer_logs_the_single_process_losses_and_resumes_alike(pools, tmp_path):
     """12 steps (gradient accumulation 2, clipping to 1.0, cosine, AdamW, a new length every
     batch): each logged loss within 1e-4 of the one-process Trainer's, the evaluation loss within
@@ -45,6 +46,7 @@ def test_sequence_parallel_trainer_logs_the_single_process_losses_and_resumes_al
     _assert_same_losses(resumed["losses"], full["losses"], 1e-4, range(7, 13))
 
 
+@pytest.mark.slow
 def test_a_compute_loss_of_its_own_calling_the_model_positionally_matches_one_process(pools, tmp_path):
     """A user's ``compute_loss``: ``model(input_ids, attention_mask)`` positionally, no labels, the
     loss from the logits with the logits shifted. 5 logged losses within 1e-4 of one process's.
@@ -84,6 +86,7 @@ def test_sequence_parallel_sft_trainer_logs_the_single_process_losses(pools, tmp
     assert plan["checkpoint"] == ("full", "full") and not plan["hf_checkpointing"], plan["checkpoint"]
 
 
+@pytest.mark.slow
 def test_sequence_parallel_trainer_under_bf16_is_as_accurate_as_one_process(pools, tmp_path):
     """``bf16=True`` (TRL's SFTConfig default): the sharded step runs the model under the
     Trainer's bf16 autocast, as accelerate's wrapper runs it in one process. bf16 rounds per op
@@ -150,6 +153,7 @@ def test_every_way_to_ask_for_activation_checkpointing_is_autosps_full_rung(tmp_
     assert make() == ("auto", False, False)
 
 
+@pytest.mark.slow
 def test_sequence_parallel_trainer_on_sp_2_by_dp_2_matches_one_process(pools, tmp_path):
     """4 ranks as 2 dp replicas of an sp group of 2 (2 micro-batches of 2 per replica) against
     one process taking the same 8 samples a step as 4 micro-batches: each of 6 logged losses

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 import torch.fx as fx
@@ -15,13 +16,15 @@ __all__ = [
     "GraphBreakError",
     "RecompileLimitError",
     "source_line",
+    "module_path",
     "collective_error",
     "peer_lost",
 ]
 
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__))
-_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# with the separator: torchtitan's and torchtune's files (".../torchtitan/...") are not torch's
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 def source_line(node: fx.Node | None) -> str:
@@ -43,6 +46,21 @@ def user_frame(trace: str, package: str = _PACKAGE) -> str:
     where = lines[i].replace("File ", "").replace('"', "").replace(", line ", ":")
     code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
     return f"{where}: {code}" if code else where
+
+
+# Dynamo's names for where a module came from: an argument, a global
+_ROOT = re.compile(r"^[LG]\['[^']*'\]\.?")
+
+
+def module_path(node: fx.Node) -> str:
+    """The modules the node's op ran in, outermost first, as Dynamo recorded them
+    (``nn_module_stack``): 'layers[0].moe (MoE) > layers[0].moe.experts (Experts)'; "" outside any."""
+    names = []
+    for fqn, cls in (node.meta.get("nn_module_stack") or {}).values():
+        cls = getattr(cls, "__name__", None) or str(cls).rsplit(".", 1)[-1].strip("'>")
+        path = _ROOT.sub("", fqn) or "the model"
+        names.append(f"{path} ({cls})")
+    return " > ".join(names)
 
 
 def _describe(node: fx.Node | None) -> str:

@@ -141,6 +141,29 @@ def test_op_without_rule_on_sharded_data_names_op_and_line(fake_world):
         _explain(step, torch.randint(0, 16, (1, 512)))
 
 
+class _Mixer(torch.nn.Module):
+    def forward(self, h):
+        return _row_mix(h)
+
+
+def test_custom_op_without_rule_in_a_module_names_the_module_and_token_local(fake_world):
+    """The same custom op inside a module (as torchtitan's ``deterministic_scatter_add`` sits in
+    its MoE layer): the error names the modules it ran in, and suggests ``autosp.token_local``
+    beside ``register_sharding``; at the top level (above) it suggests no mark."""
+    fake_world(2)
+    emb, mixer = torch.nn.Embedding(16, 64), _Mixer()
+
+    def step(ids):
+        return mixer(emb(ids)).sum()
+
+    with pytest.raises(
+        autosp.UnsupportedOpError,
+        match=r"no sharding rule for autosp_test\.row_mix.*, inside .*\(_Mixer\).*Fix: if a module around it "
+        r"maps each token.*autosp\.token_local\(module\).*register_sharding",
+    ):
+        _explain(step, torch.randint(0, 16, (1, 512)))
+
+
 def test_a_median_along_the_sequence_is_gathered_and_explained(fake_world):
     """DTensor's single-dim strategy for ``median.dim`` keeps a shard only off the reduced dim:
     along the sequence the plan gathers (the backward's scatter of the median's indices, 1 x 1 x 64

@@ -99,3 +99,26 @@ def test_torchtitan_moe_marked_token_local_matches_one_device_to_its_bf16_expert
         assert r["graphs"] == len(LENGTHS) and "all_gather" not in r["kinds"], r
     mine, single = [r["flops"][0] for r in results], results[0]["flops"][1]
     assert single > 0 and max(mine) <= 4 / 3 * single / 2, (mine, single)
+
+
+@pytest.mark.parametrize("name", _params(["torchtitan_qwen3_moe"]))
+def test_torchtitan_moe_unmarked_is_refused_naming_its_line_its_module_and_token_local(fake_world, name):
+    """Unmarked, torchtitan's MoE dispatch reaches its custom op ``deterministic_scatter_add`` with
+    the tokens split: the error names torchtitan's line (before: the caller's, as torchtitan's
+    files were taken for torch's, their path starting with torch's), the modules it ran in, and
+    both fixes, ``autosp.token_local`` and ``register_sharding``. Plan tier."""
+    import peer_models
+    import torch
+
+    import autosp
+
+    fake_world(2)
+    model, fn = peer_models.BUILDERS[name]()
+    with autosp.mesh(sp=2):
+        step = autosp.shard(lambda ids: fn(model, ids), compiler="aot_eager")
+        with pytest.raises(autosp.UnsupportedOpError) as err:
+            autosp.explain(step, torch.randint(0, peer_models.VOCAB, (1, 64)))
+    msg = str(err.value)
+    assert "no sharding rule for torchtitan.deterministic_scatter_add" in msg, msg
+    assert re.search(r"torchtitan/models/common/token_dispatcher\.py:\d+", msg), msg
+    assert "moe (MoE)" in msg and "autosp.token_local(module)" in msg and "register_sharding" in msg, msg

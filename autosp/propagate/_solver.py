@@ -33,7 +33,7 @@ from scipy.sparse import coo_array
 
 from .._context import Kernel, SpContext
 from .._graph import nbytes, out_vals, tensor_inputs
-from ..errors import PlanError, UnsupportedOpError
+from ..errors import PlanError, UnsupportedOpError, module_path
 from ._annotate import ANNOTATE
 from ._dtensor import DISPATCH_OPS
 from ._placement import R, is_shard, redistribute_kind, shard_spec, transfer_bytes
@@ -192,20 +192,24 @@ def _check_no_rule(c: Candidates, chosen: dict[fx.Node, Strategy]) -> None:
         for (u, i), q in zip(tensor_inputs(nd), chosen[nd].ins):
             src = chosen[u].outs[i]
             if redistribute_kind(src, q):
-                dispatch = nd.target in DISPATCH_OPS
+                custom = getattr(nd.target, "namespace", "aten") not in ("aten", "prims")
+                modules = module_path(nd)
+                # a dispatch op, or a custom op inside a module (torchtitan's scatter-add in its MoE)
+                local = nd.target in DISPATCH_OPS or (custom and modules)
                 raise UnsupportedOpError(
                     nd,
-                    f"no sharding rule for {nd.target}, and its input {u.name} is {src} here",
+                    f"no sharding rule for {nd.target}, and its input {u.name} is {src} here"
+                    + (f", inside {modules}" if modules else ""),
                     (
-                        "if the module around it maps each token to its own output (a mixture-of-experts layer "
+                        "if a module around it maps each token to its own output (a mixture-of-experts layer "
                         "dispatching tokens with no capacity limit), mark it: autosp.token_local(module); else "
-                        if dispatch
+                        if local
                         else ""
                     )
                     + (
                         "give the op a rule with torch.distributed.tensor.experimental.register_sharding "
                         "(autosp takes the placements it runs exactly), "
-                        if getattr(nd.target, "namespace", "aten") not in ("aten", "prims")
+                        if custom
                         else ""
                     )
                     + "express the computation with supported ops, or pin its inputs replicated "

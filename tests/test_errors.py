@@ -181,6 +181,27 @@ def test_a_median_along_the_sequence_is_gathered_and_explained(fake_world):
     assert any("all-gathered for aten.scatter" in n and "test_errors.py" in n for n in plan.notes), plan.notes
 
 
+def test_a_compiler_disabled_function_in_the_step_is_named(fake_world):
+    """A function wrapped with ``torch.compiler.disable`` (torchtune's ``chunked_output``) breaks
+    the graph: the error names the function and the line that calls it. Before, autosp's search for
+    FSDP modules crashed on the wrapper first ("'member_descriptor' object is not iterable")."""
+    fake_world(2)
+    emb = torch.nn.Embedding(16, 8)
+
+    @torch.compiler.disable
+    def chunked(h):
+        return [c.sum() for c in h.chunk(2, 1)]
+
+    def step(ids):
+        return sum(chunked(emb(ids)))  # a disabled function called in the step
+
+    with pytest.raises(
+        autosp.GraphBreakError,
+        match=r"calls \S*chunked, which is wrapped with torch\.compiler\.disable.*test_errors\.py:\d+.*sum\(chunked",
+    ):
+        _explain(step, torch.randint(0, 16, (1, 64)))
+
+
 def test_graph_break_is_an_error_naming_the_line(fake_world):
     fake_world(2)
     emb = torch.nn.Embedding(16, 8)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,9 @@ def _candidates(fn) -> list[nn.Module]:
             if getattr(obj, "__self__", None) is not None:
                 add(obj.__self__, depth)
             f = getattr(obj, "__func__", obj)
+            if not isinstance(f, types.FunctionType):  # a wrapper that only looks like one
+                # (torch.compiler.disable's: its class's __closure__ slot is no tuple)
+                return
             for cell in f.__closure__ or ():
                 with contextlib.suppress(ValueError):  # an empty cell
                     add(cell.cell_contents, depth)

@@ -9,6 +9,7 @@ import collections
 import functools
 import inspect
 import logging
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -168,6 +169,16 @@ def _graph_break(e: Exception) -> GraphBreakError:
             "find it through the step function, so its hooks broke the graph",
             "pass the module to autosp.shard(model), or reach it from the step function's "
             "closure, globals or a bound method's object",
+        )
+    disabled = re.search(r"Skip calling function `<function ([\w.<>]+) at .*torch\.compiler\.disable", str(e))
+    if disabled:
+        name = disabled.group(1)
+        return GraphBreakError(
+            None,
+            f"the step calls {name}, which is wrapped with torch.compiler.disable: Dynamo skips it, a graph "
+            f"break{where}",
+            f"call what {name} computes without the decorator inside the step (its __wrapped__, or the same "
+            "torch ops), or call it outside the step: autosp captures the step as one graph",
         )
     if "torch.utils.checkpoint" in str(e):
         return GraphBreakError(

@@ -13,10 +13,10 @@ import torch
 @pytest.mark.parametrize(
     "kind,b,L,dp,over,reshard,as_module",
     [
-        ("llama", 4, 64, 2, "dp", True, False),  # sharded over dp, sequence-parallel over sp
+        pytest.param("llama", 4, 64, 2, "dp", True, False, marks=pytest.mark.slow),  # sharded over dp, sp over sp
         ("llama", 4, 64, 2, "hsdp", False, True),  # the autosp mesh: sharded over sp, replicated over dp;
         # autosp.shard(model)
-        ("gpt", 4, 45, 1, "world", True, False),  # every rank; tied embeddings; 45 tokens over sp=4
+        pytest.param("gpt", 4, 45, 1, "world", True, False, marks=pytest.mark.slow),  # every rank; tied embeddings
     ],
 )
 def test_fsdp_step_matches_one_device(pools, kind, b, L, dp, over, reshard, as_module):

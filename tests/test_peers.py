@@ -1,8 +1,9 @@
 """Models built from the peer libraries' own model classes (torchtitan, torchtune, litgpt,
 x-transformers; ``peer_models``), trained with their usual next-token loss, under the defaults
 users run: Inductor and symbolic lengths, 2 ranks. Each is exact against one device at two
-lengths (64 and 37: even and odd shards, two compiles; the fast tier's at 37 alone), and split: no collective gathers an
-activation, and each rank's matmul FLOPs are at most 1.25/N of one device's.
+lengths (64 and 37: even and odd shards, two compiles; the fast tier's at 37 alone, with
+``aot_eager``), and split: no collective gathers an activation (but the pinned findings of
+``GATHERS``), and each rank's matmul FLOPs are at most 1.25/N of one device's.
 
 One model per library in the fast tier; the library's other models in the slow tier
 (``scripts/full_suite.sh``). torchtitan's and litgpt's MoE layers, torchtitan's FlexAttention
@@ -37,6 +38,13 @@ SLOW = [
 ]
 LIBRARIES = {"torchtitan": "torchtitan", "torchtune": "torchtune", "litgpt": "litgpt", "x": "x_transformers"}
 LENGTHS = [64, 37]
+# pinned findings: a plan that gathers an activation, and why
+GATHERS = {
+    # its loss in 16-row chunks: a split along the sequence into several windows gathers the logits
+    # (autosp.propagate._shift.SPLIT_WINDOWS is off: the windows' exchange gave a loss 3e-3 off at
+    # 37 tokens on a symbolic length; exact now)
+    "litgpt_llama3_2_chunk16",
+}
 
 
 def _params(names, *marks):
@@ -49,12 +57,12 @@ def _params(names, *marks):
     return out
 
 
-def _exact_and_split(results, world, lengths):
+def _exact_and_split(results, world, lengths, name):
     for r in results:
         for loss, ref, err in r["steps"]:
             assert abs(loss - ref) <= 1e-5 * abs(ref) and err <= 1e-5, r["steps"]
         assert r["graphs"] == len(lengths), r["graphs"]
-        assert "all_gather" not in r["kinds"], r["kinds"]
+        assert ("all_gather" in r["kinds"]) == (name in GATHERS), r["kinds"]
     mine, single = [r["flops"][0] for r in results], results[0]["flops"][1]
     assert single > 0 and max(mine) <= 1.25 * single / world, (mine, single)
 
@@ -64,13 +72,15 @@ def test_peer_model_is_exact_and_split_on_a_symbolic_length(pools, name):
     """The fast tier: one length, 37 (odd shards, a symbolic compile), ``aot_eager``, as the fast
     tier tests rules there and runs Inductor on its families (tests/test_defaults.py): 37-112 s a
     model under Inductor on 2 cores. The slow tier runs these under the defaults at both lengths."""
-    _exact_and_split(pools(2).run(cases.many_lengths, "peer_" + name, [37], 8, True, None, None, "aot_eager"), 2, [37])
+    _exact_and_split(
+        pools(2).run(cases.many_lengths, "peer_" + name, [37], 8, True, None, None, "aot_eager"), 2, [37], name
+    )
 
 
 @pytest.mark.parametrize("name", _params(FAST + SLOW, pytest.mark.slow))
 def test_peer_model_is_exact_and_split_under_the_defaults_at_two_lengths(pools, name):
     _exact_and_split(
-        pools(2).run(cases.many_lengths, "peer_" + name, LENGTHS, 8, True, None, None, "inductor"), 2, LENGTHS
+        pools(2).run(cases.many_lengths, "peer_" + name, LENGTHS, 8, True, None, None, "inductor"), 2, LENGTHS, name
     )
 
 

@@ -77,7 +77,22 @@ def test_peer_model_is_exact_and_split_on_a_symbolic_length(pools, name):
     )
 
 
-@pytest.mark.parametrize("name", _params(FAST + SLOW, pytest.mark.slow))
+# a finding pinned: litgpt's loss in 16-token chunks, gathered (SPLIT_WINDOWS off), under Inductor on a
+# symbolic length stops in the per-rank graph: "Cannot view a tensor with shape [1, 1, 2, (s50//2),
+# 16] and strides (64*Max(1, (s50//2)), 64, 16, 64, 1) as a tensor with shape (32*((s50//2)),)"
+# (a clear error on every rank; aot_eager runs it exact: the fast tier's test)
+_INDUCTOR_VIEW = pytest.mark.xfail(
+    strict=True, raises=RuntimeError, reason="Inductor: a view of a strided per-rank tensor"
+)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(*p.values, marks=[*p.marks, _INDUCTOR_VIEW], id=p.id) if p.id == "litgpt_llama3_2_chunk16" else p
+        for p in _params(FAST + SLOW, pytest.mark.slow)
+    ],
+)
 def test_peer_model_is_exact_and_split_under_the_defaults_at_two_lengths(pools, name):
     _exact_and_split(
         pools(2).run(cases.many_lengths, "peer_" + name, LENGTHS, 8, True, None, None, "inductor"), 2, LENGTHS, name

@@ -54,8 +54,8 @@ def _exact_split_and_once(results, lengths, graphs: int, world: int):
 def test_hf_families_on_inductor_and_symbolic_lengths_are_exact_and_split(pools, family, kinds):
     """Lengths 64 and 48 on one compile (2 ranks, even shards): loss and gradients within 1e-5 of
     one device's, no all-gather, each rank's matmul FLOPs at most 1.25/N of one device's (the
-    forward and the backward; Mixtral's experts run again in their backward, within it). Measured
-    alone on 2 cores: 54-66 s each."""
+    forward and the backward; Mixtral's experts run again in their backward, within it). In the fast
+    tier's run on 2 cores (docs/testing.md): 14-21 s each, the pool already started."""
     results = pools(2).run(cases.defaults_exactness, family, [64, 48])
     _exact_split_and_once(results, [64, 48], 1, 2)
     assert all(r["kinds"] == kinds for r in results), [r["kinds"] for r in results]
@@ -64,6 +64,6 @@ def test_hf_families_on_inductor_and_symbolic_lengths_are_exact_and_split(pools,
 def test_dp_by_sp_on_inductor_and_symbolic_lengths_is_exact_and_split(pools):
     """The hand-written Llama on dp 2 x sp 2 (4 ranks), each replica its own sequence, lengths 64
     and 48: each replica's loss and the replicas' averaged gradients within 1e-5 of one device's.
-    Four Inductor compiles on 2 cores: about 130 s."""
+    Four Inductor compiles on 2 cores: 70 s in the fast tier's run."""
     results = pools(4).run(cases.defaults_exactness, "llama", [64, 48], 2)
     _exact_split_and_once(results, [64, 48], 1, 2)

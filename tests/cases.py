@@ -621,6 +621,8 @@ OPS = {
             torch.nn.functional.softshrink,
             torch.nn.functional.hardshrink,
             torch.nn.functional.logsigmoid,
+            # GLU halves its dim (autosp's rule: elementwise along the others)
+            lambda x: torch.nn.functional.glu(torch.cat([x, 2 * x], -1)),
         )
     ),
     "solve_triangular": _per_token_solve,

@@ -302,6 +302,14 @@ def _softmax_bwd(node, A, n):
     return _elementwise(node, A, n, blocked_out=[node.args[2]])
 
 
+@rule(aten.glu.default, aten.glu_backward.default)
+def _glu(node, A, n):
+    """GLU halves ``dim`` (its gradient doubles it back): elementwise along every other dim (DTensor
+    has no strategy for either; x-transformers' attention-on-attention gates by it)."""
+    dim = node.args[-1] if len(node.args) > (2 if node.target is aten.glu_backward.default else 1) else -1
+    return _elementwise(node, A, n, blocked_out=[dim])
+
+
 @rule(aten.native_dropout.default, aten.native_dropout_backward.default)
 def _dropout(node, A, n):
     """Elementwise, never Partial. On a sharded input each rank draws its own shard's mask

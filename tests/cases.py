@@ -1596,6 +1596,7 @@ def many_lengths(
     if checkpoint is None:
         checkpoint = "auto" if min_tile_rows is None else "full"
     notes: list[tuple[str, ...]] = []
+    timings: list[dict[str, float]] = []
 
     def run():
         with torch._dynamo.config.patch(recompile_limit=limit), autosp.mesh():
@@ -1608,6 +1609,7 @@ def many_lengths(
                 loss.backward()
                 rungs.append(step.plan.checkpoint.chosen)
                 notes.append(step.plan.notes)
+                timings.append(dict(step.plan.timings))
                 loss_ref = fn(ref, ids)
                 loss_ref.backward()
                 errs.update(_grad_errors(model, ref))
@@ -1626,6 +1628,7 @@ def many_lengths(
         "log": [m for m in lines if "new input shapes" in m or "compiling the step again" in m],
         "rungs": rungs,
         "notes": notes,
+        "timings": timings,  # each call's compile's phase times (Plan.timings)
         "flops": flops,  # matmul FLOPs at the last length: this rank's, one device's
         "kinds": sorted({c.kind for c in step.plan.collectives}),  # the last length's plan
         "grad_err": errs,  # each parameter's gradient error at the last length

@@ -17,6 +17,8 @@ import cases
 import pytest
 from _checks import assert_matmuls_split
 
+from autosp.backend import COMPILE_PHASES
+
 
 def test_logits_shift_llama_on_inductor_and_symbolic_lengths_is_exact_and_split(pools):
     """Lengths 64 and 50 on one compile (even shards), 37 on a second (odd): every loss and
@@ -29,6 +31,10 @@ def test_logits_shift_llama_on_inductor_and_symbolic_lengths_is_exact_and_split(
             assert abs(loss - ref) <= 1e-5 * abs(ref) and err <= 1e-5, r["steps"]
         assert r["compiled"] == 1 and r["graphs"] == 2, r
         assert r["kinds"] == ["all_reduce", "all_to_all", "halo"], r["kinds"]
+        # where each compile's time went, the backend's compile of the backward included
+        first = r["timings"][0]
+        assert set(first) == set(COMPILE_PHASES) and all(t > 0 for t in first.values()), first
+        assert r["timings"][1] == first != r["timings"][2]  # 50 runs the compile of 64, 37 its own
     assert_matmuls_split([{"flops": r["flops"]} for r in results], lengths[-1])
 
 

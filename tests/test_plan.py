@@ -68,6 +68,27 @@ def test_plan_bytes_are_ulysses_bytes(fake_world):
     assert plan.comm_bytes == pytest.approx(expected)
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "manual"])
+def test_plan_sends_a_hand_written_ulysses_plans_bytes_and_nothing_beyond(fake_world, attn):
+    """The plan's own reference, a hand-written Ulysses plan of the same attention (found as the
+    SDPA op, or as batched matmul, softmax, batched matmul), is the formula's all-to-all bytes;
+    the plan sends exactly that for activations, nothing beyond, and says so."""
+    world, heads, kv, dim = CONFIGS[1]
+    fake_world(world)
+    model, plan = _plan(world, heads, kv, dim, attn)
+    a2a = sum(
+        (world - 1) / world**2 * numel * 4 * count
+        for (kind, _, numel), count in _ulysses_expected(model, world, heads, kv, dim).items()
+        if kind == "all_to_all"
+    )
+    assert plan.ulysses_bytes == pytest.approx(a2a) and plan.activation_bytes == pytest.approx(a2a)
+    assert not plan.beyond_ulysses, plan.beyond_ulysses
+    assert "1.00x a hand-written Ulysses plan of the same attention" in str(plan), str(plan)
+    # where planning's time went (explain stops before the backend compiler)
+    assert set(plan.timings) == set(autosp.backend.COMPILE_PHASES) - {"compile"}, plan.timings
+    assert all(t > 0 for t in plan.timings.values()) and "\nplanned in " in str(plan), plan.timings
+
+
 def test_explain_names_each_collective_source_line(fake_world):
     """The plan says where every collective comes from, in the user's code."""
     fake_world(2)

@@ -103,3 +103,10 @@ def test_logits_shift_loss_moves_no_more_than_the_label_shift_loss(fake_world, w
     else:
         assert len(halo) == 2, halo  # the slice forward, its gradient backward
     assert math.isclose(by_logits.comm_bytes - sum(c.bytes_per_rank for c in halo), by_label.comm_bytes, rel_tol=1e-9)
+    # explain: beyond a hand-written Ulysses plan, the logits shift sends what the label shift
+    # does (nothing, or a ring's K/V where the heads do not split) and the halo rows, named
+    others = [c.kind for c in by_logits.beyond_ulysses if c.kind != "halo"]
+    assert others == [c.kind for c in by_label.beyond_ulysses] and set(others) <= {"ring"}, others
+    assert [c for c in by_logits.beyond_ulysses if c.kind == "halo"] == halo
+    assert all("a shift or window along the sequence" in c.beyond for c in halo)
+    assert all(f"halo x1 {c.bytes_per_rank / 2**20:.3f} MiB: {c.beyond}" in str(by_logits) for c in halo)

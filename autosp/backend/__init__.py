@@ -3,7 +3,7 @@ a sharded step."""
 
 from .._context import Options, SpContext
 from ._backend import make_backend
-from ._plan import Collective, Plan
+from ._plan import COMPILE_PHASES, Collective, Plan
 from ._step import ShardedStep
 
-__all__ = ["Options", "SpContext", "make_backend", "Collective", "Plan", "ShardedStep"]
+__all__ = ["COMPILE_PHASES", "Options", "SpContext", "make_backend", "Collective", "Plan", "ShardedStep"]

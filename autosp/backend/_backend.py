@@ -10,7 +10,9 @@ Each pass is a function of the graph and one ``SpContext``; ``_run`` wraps each 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -38,10 +40,10 @@ from ..partition import (
 )
 from ..propagate import propagate, solve
 from ._checks import any_rank, check_same_plan, check_same_schedule, cse_alike, largest_peaks, smallest_over_ranks
-from ._plan import Plan, build_plan
+from ._plan import Plan, build_plan, timing_line
 from ._symbolic import every_rank_graphs, guard_budget_lengths, guard_even_shards, hinted, is_symbolic, lengths_note
 
-__all__ = ["make_backend", "DECOMPOSITIONS"]
+__all__ = ["make_backend", "DECOMPOSITIONS", "CALL_STARTED"]
 
 log = logging.getLogger("autosp")
 aten = torch.ops.aten
@@ -62,10 +64,24 @@ DECOMPOSITIONS = {
 }
 
 
+# when the call that compiles began (``ShardedStep`` sets it around each call): capture is the
+# time from it to the joint graph reaching the backend
+CALL_STARTED: contextvars.ContextVar[float | None] = contextvars.ContextVar("autosp_call_started", default=None)
+# the compile under way's phase times (``Plan.timings``), which ``_run`` adds to
+_TIMES: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar("autosp_times", default=None)
+# pass -> the compile phase its time counts in
+_PHASE = {"fold K/V repeats": "propagate", "replicate K/V heads": "propagate", "plan": "solve"}
+
+
 def _run(name: str, fn: Callable, *args, **kwargs):
-    """One pass; with ``AUTOSP_DEBUG=1`` its time and the graph it hands on are logged."""
+    """One pass, its time added to the compile's phase (``Plan.timings``); with
+    ``AUTOSP_DEBUG=1`` its time and the graph it hands on are logged."""
     t0 = time.perf_counter()
     out = fn(*args, **kwargs)
+    times = _TIMES.get()
+    if times is not None:
+        phase = _PHASE.get(name, name)
+        times[phase] = times.get(phase, 0.0) + time.perf_counter() - t0
     if os.environ.get("AUTOSP_DEBUG") == "1":
         graphs = [x for x in (out if isinstance(out, tuple) else (out,)) if isinstance(x, fx.GraphModule)]
         graphs = graphs or [a for a in args if isinstance(a, fx.GraphModule)]  # analyses: the graph they read
@@ -179,6 +195,48 @@ def _localizer(graph: fx.GraphModule, inputs, outputs: int, planned, to_graph, c
     return per_rank, tiling, guard_tiles
 
 
+class _Clock:
+    """Where a backend's compiles spend their time: the latest compile's phase times (``times``,
+    its ``Plan.timings``), and one line logged when it is done."""
+
+    def __init__(self, compile_fn: Callable):
+        self.compile_fn = compile_fn
+        self.times: dict[str, float] = {}
+
+    def planner(self, fn: Callable) -> Callable:
+        """``fn`` (a partition) with its passes' times in fresh ``times``, the capture's first."""
+
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            started = CALL_STARTED.get()
+            self.times = {"capture": time.perf_counter() - started} if started is not None else {}
+            token = _TIMES.set(self.times)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _TIMES.reset(token)
+
+        return run
+
+    def compile(self, gm: fx.GraphModule, example_inputs):
+        """The backend compiler's run, its time in the ``compile`` phase."""
+        t0 = time.perf_counter()
+        run = self.compile_fn(gm, example_inputs)
+        self.times["compile"] = self.times.get("compile", 0.0) + time.perf_counter() - t0
+        return run
+
+    def backward(self, gm: fx.GraphModule, example_inputs):
+        """The backward's compile, the compile's last (with a symbolic length, inside the
+        forward's compile; else at the first backward)."""
+        run = self.compile(gm, example_inputs)
+        self.done()
+        return run
+
+    def done(self) -> None:
+        level = logging.WARNING if os.environ.get("AUTOSP_DEBUG") == "1" else logging.INFO
+        log.log(level, "autosp: step %s", timing_line(self.times))
+
+
 def make_backend(
     mesh,
     options: Options,
@@ -190,7 +248,9 @@ def make_backend(
     call (with a symbolic length, Dynamo picks among a step's compiles by the length)."""
     ctx = SpContext.of(mesh, options)
     plans: list[Plan] = []  # the plan of the compile under way, for its forward's compiled function
+    clock = _Clock(_with_errors(_compiler(options.compiler)))
 
+    @clock.planner
     def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs, **kwargs):
         planned, to_joint, choice, plan = _solved(joint, ctx)
         per_rank, tiling, guard_tiles = _localizer(joint, joint_inputs, num_fwd_outputs, planned, to_joint, choice, ctx)
@@ -219,12 +279,13 @@ def make_backend(
         check_same_schedule(fw, bw, ctx)
         budget = guard_budget_lengths(ckpt, joint_inputs)  # before the note, which reads the guards
         notes = plan.notes + ((lengths_note(joint_inputs),) if to_joint is not None else ()) + budget
-        plan = dataclasses.replace(plan, memory=ckpt.memory, checkpoint=ckpt, notes=notes)
+        plan = dataclasses.replace(plan, memory=ckpt.memory, checkpoint=ckpt, notes=notes, timings=clock.times)
         plans[:] = [plan]
         if on_plan is not None:
             on_plan(plan)
         return fw, bw
 
+    @clock.planner
     def forward_only(graph: fx.GraphModule, example_inputs):
         """A graph without a backward (the step under ``torch.no_grad()``: evaluation), planned and
         localized as a training step's forward is, untiled and without checkpointing."""
@@ -236,16 +297,16 @@ def make_backend(
         check_same_schedule(local, None, ctx)
         notes = ("forward only (no grad): no checkpointing, no tiling",)
         notes += (lengths_note(inputs),) if to_graph is not None else ()
-        plan = dataclasses.replace(plan, notes=plan.notes + notes)
+        plan = dataclasses.replace(plan, notes=plan.notes + notes, timings=clock.times)
         if on_plan is not None:
             on_plan(plan)
         plans[:] = [plan]
-        return fw_compile(local, example_inputs)
-
-    compile_fn = _with_errors(_compiler(options.compiler))
+        run = fw_compile(local, example_inputs)
+        clock.done()
+        return run
 
     def fw_compile(gm: fx.GraphModule, example_inputs):
-        run = compile_fn(gm, example_inputs)
+        run = clock.compile(gm, example_inputs)
         if on_run is None or not plans:
             return run
         plan = plans.pop()  # its partition's, just before
@@ -259,7 +320,7 @@ def make_backend(
 
     return aot_autograd(
         fw_compiler=fw_compile,
-        bw_compiler=compile_fn,
+        bw_compiler=clock.backward,
         inference_compiler=forward_only,
         partition_fn=partition,
         decompositions=DECOMPOSITIONS,

@@ -10,6 +10,7 @@ import functools
 import inspect
 import logging
 import re
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ from torch.utils._pytree import MappingKey, keystr, tree_flatten, tree_flatten_w
 from .._context import Options
 from ..errors import GraphBreakError, PlanError, RecompileLimitError, collective_error, user_frame
 from ..propagate._annotate import annotate_placement
-from ._backend import make_backend
+from ._backend import CALL_STARTED, make_backend
 from ._experts import capture_hf_experts
 from ._fsdp import FsdpParams, find_fsdp
 from ._inputs import check_same_inputs
@@ -361,6 +362,14 @@ class ShardedStep:
 
     def _run(self, m, step: Callable, args, kwargs):
         fsdp = self._fsdp(m)
+        token = CALL_STARTED.set(time.perf_counter())  # a compile's capture is timed from here
+        try:
+            return self._call(fsdp, step, args, kwargs)
+        finally:
+            CALL_STARTED.reset(token)
+
+    @staticmethod
+    def _call(fsdp, step: Callable, args, kwargs):
         # only the marked dims are symbolic: Dynamo's automatic dynamic shapes would make others so
         # after a recompile, from a profile it keys by the code's name and line, which every copy
         # of the step shares (so one step's shapes would make another's batch dim symbolic)

@@ -41,6 +41,7 @@ def test_every_checkpoint_setting_matches_single_device(pools, kind, b, L, check
             assert r["checkpoint"] == "full"
 
 
+@pytest.mark.slow
 def test_no_collective_is_recomputed(pools):
     """Full recomputation runs exactly the collectives of no recomputation (gloo's own events):
     communication per step never grows with checkpointing."""

@@ -16,7 +16,7 @@ def _bytes(events):
 
 @pytest.mark.parametrize(
     "kind,b",
-    tier([("llama", 1), ("llama", 2), ("llama_manual", 1), ("llama_mha", 1)], [("llama", 2), ("llama_manual", 1)]),
+    tier([("llama", 1), ("llama", 2), ("llama_manual", 1), ("llama_mha", 1)], [("llama", 2)]),
 )
 def test_gloo_traffic_is_at_most_hand_written_ulysses(pools, kind, b):
     """Catches an all-gather or reduce-scatter of an activation, an extra all-to-all, or K/V sent

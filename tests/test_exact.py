@@ -33,7 +33,7 @@ def test_loss_and_grads_match_single_device_fp32(pools, world, kind, b, L):
         assert world == 1 or r["kinds"] == ["all_reduce", "all_to_all"], r["kinds"]
 
 
-@pytest.mark.parametrize("kind,b,L,world", tier(UNEVEN, [("llama", 2, 93, 2), ("gpt", 2, 45, 4)]))
+@pytest.mark.parametrize("kind,b,L,world", tier(UNEVEN, [("llama", 2, 93, 2)]))
 def test_any_sequence_length_is_exact(pools, kind, b, L, world):
     """No token dropped and no padding leaking: every position's loss and gradient counts once;
     and uneven shards are still split (no activation gathered)."""
@@ -143,7 +143,7 @@ def test_grouped_query_heads_inside_the_op_stay_exact(pools):
         ]
 
 
-@pytest.mark.parametrize("kind", tier(["llama_6h", "llama_6h_manual"], ["llama_6h"]))
+@pytest.mark.parametrize("kind", tier(["llama_6h", "llama_6h_manual"], []))
 def test_query_heads_not_divisible_by_ranks_stays_exact(pools, kind):
     """6 heads over 4 ranks: Ulysses with an uneven head split (2, 2, 1, 1), for SDPA and for
     attention written with matmuls (its batched matmuls split (batch x heads) the same way)."""

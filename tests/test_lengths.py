@@ -212,6 +212,7 @@ def test_a_symbolic_plan_is_the_static_plan_at_its_length(fake_world, attn, worl
     assert not any("symbolic" in note for note in static.notes)
 
 
+@pytest.mark.slow
 def test_ring_attention_plans_on_a_symbolic_length(fake_world):
     """Fewer query heads (2) than ranks (4) run ring attention, whose key count is a node of the
     symbolic graph (the checkpointing pass's FLOP count read it as a number, and failed); the

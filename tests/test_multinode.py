@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from _pool import _free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,6 +28,7 @@ def _train_cmd(out: Path) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_two_torchrun_nodes_match_one_device(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     port = _free_port()

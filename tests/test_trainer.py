@@ -60,6 +60,7 @@ def test_a_compute_loss_of_its_own_calling_the_model_positionally_matches_one_pr
     assert any("the step returns it" in n for n in sp["train_plan"]["notes"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("packing", [True], ids=["packed"])
 def test_sequence_parallel_sft_trainer_logs_the_single_process_losses(pools, tmp_path, packing):
     """TRL's SFTTrainer (completion-only loss through its fused LM head's outputs, computed in the

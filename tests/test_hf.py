@@ -228,7 +228,7 @@ _KINDS = {
 
 @pytest.mark.parametrize(
     "arch,attn,kind,attention",
-    tier(MASKED, [m for m in MASKED if m[3] == "auto" and m[0] not in ("llama", "opt")]),
+    tier(MASKED, [("gpt2", "sdpa", "packed", "auto")]),
 )
 def test_hf_padding_masks_and_packed_documents_on_4_ranks(pools, arch, attn, kind, attention):
     """A padding attention_mask (left or right, per-row amounts that cross shard boundaries) and

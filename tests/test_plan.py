@@ -5,6 +5,7 @@ from collections import Counter
 
 import pytest
 import torch
+from _checks import tier
 
 import autosp
 from examples.models import Llama, LlamaConfig
@@ -43,7 +44,7 @@ def _ulysses_expected(model, world, heads, kv, dim, b=1):
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "manual"])
-@pytest.mark.parametrize("world,heads,kv,dim", CONFIGS)
+@pytest.mark.parametrize("world,heads,kv,dim", tier(CONFIGS, [CONFIGS[1]]))
 def test_plan_is_exactly_ulysses_collectives(fake_world, world, heads, kv, dim, attn):
     """Catches any extra collective (an all-gather of an activation, a reduce-scatter instead of
     an all-to-all, a recomputed exchange) and K/V moved at the query head count. Hand-written

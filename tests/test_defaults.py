@@ -73,3 +73,27 @@ def test_dp_by_sp_on_inductor_and_symbolic_lengths_is_exact_and_split(pools):
     Four Inductor compiles on 2 cores: 70 s in the fast tier's run."""
     results = pools(4).run(cases.defaults_exactness, "llama", [64, 48], 2)
     _exact_split_and_once(results, [64, 48], 1, 2)
+
+
+def test_inductors_decompositions_of_the_per_rank_graph_keep_its_views_valid():
+    """Inductor's decomposition table lays out some results otherwise than the trace the per-rank
+    graph was recorded on: its cat of a tensor and an empty one is a clone keeping the first's
+    (transposed) layout, so a view recorded on the contiguous cat no longer applied (litgpt's
+    rotary q, concatenated with its empty unrotated part, then a view(-1) in an all-to-all: "Cannot
+    view a tensor with shape [1, 1, 2, (s50//2), 16] and strides (64*Max(1, (s50//2)), 64, 16, 64,
+    1)" on a symbolic length, on every rank). The retrace takes every view as a reshape."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autosp.backend._backend import inductor_graph
+
+    def rotary_q(x):
+        q = x.transpose(1, 2) * 2  # (B, heads, T, head_dim), transposed
+        q = torch.cat([q, x.transpose(1, 2)[..., 16:]], dim=-1)  # the rotated part and the empty rest
+        return q.reshape(-1)
+
+    x = torch.randn(1, 6, 4, 16)
+    gm = make_fx(rotary_q)(x)
+    assert torch.ops.aten.view.default in {nd.target for nd in gm.graph.nodes}  # contiguous here
+    retraced = inductor_graph(gm, [x])
+    assert torch.equal(retraced(x), rotary_q(x))

@@ -94,6 +94,23 @@ def _run(name: str, fn: Callable, *args, **kwargs):
     return out
 
 
+def inductor_graph(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
+    """The per-rank graph retraced through Inductor's decomposition table (autosp planned on ops
+    it decomposes further; collectives included), ready for lowering. The graph's views were
+    recorded on the strides its own trace saw, and the table may lay a result out otherwise (its
+    cat of a tensor and an empty one is a clone keeping the first's layout: litgpt's rotary q,
+    transposed, then a view(-1) in an all-to-all, on a symbolic length): as reshapes, each stays a
+    view where it can and copies where it cannot, as Inductor's post-grad pass makes them
+    (``view_to_reshape``)."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    for nd in gm.graph.find_nodes(op="call_function", target=aten.view.default):
+        nd.target = aten.reshape.default
+    gm.recompile()
+    with detect_fake_mode(example_inputs) or contextlib.nullcontext():
+        return make_fx(gm, decomposition_table=select_decomp_table())(*example_inputs)
+
+
 def _compiler(name: str) -> Callable:
     if name == "aot_eager":
         # torch's own aot_eager: boxed code that frees each input after its last use (saved
@@ -102,13 +119,9 @@ def _compiler(name: str) -> Callable:
 
         return boxed_nop
     from torch._inductor.compile_fx import compile_fx_inner
-    from torch._inductor.decomposition import select_decomp_table
 
     def inductor(gm: fx.GraphModule, example_inputs):
-        # autosp planned on ops Inductor decomposes further; apply its table to the
-        # per-rank graph (collectives included) before lowering
-        with detect_fake_mode(example_inputs) or contextlib.nullcontext():
-            gm = make_fx(gm, decomposition_table=select_decomp_table())(*example_inputs)
+        gm = inductor_graph(gm, example_inputs)
         # autosp's graphs are already in the order its memory plan assumes (tiles one at a
         # time, recomputation before its use). Inductor's peak-memory reordering (torch 2.13)
         # undid that: the tiled "full" rung at 8192 tokens over 2 measured 162.7 MiB with it

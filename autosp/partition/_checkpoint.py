@@ -491,7 +491,7 @@ def _length_symbol(fw: fx.GraphModule) -> tuple | None:
     if len(symbols) != 1 or shape_env is None:
         return None
     (symbol,) = symbols
-    value = shape_env.var_to_val.get(symbol)
+    value = shape_env.backed_var_to_val.get(symbol)
     return None if value is None else (symbol, int(value))
 
 

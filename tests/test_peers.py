@@ -38,13 +38,10 @@ SLOW = [
 ]
 LIBRARIES = {"torchtitan": "torchtitan", "torchtune": "torchtune", "litgpt": "litgpt", "x": "x_transformers"}
 LENGTHS = [64, 37]
-# pinned findings: a plan that gathers an activation, and why
-GATHERS = {
-    # its loss in 16-row chunks: a split along the sequence into several windows gathers the logits
-    # (autosp.propagate._shift.SPLIT_WINDOWS is off: the windows' exchange gave a loss 3e-3 off at
-    # 37 tokens on a symbolic length; exact now)
-    "litgpt_llama3_2_chunk16",
-}
+# pinned findings: a plan that gathers an activation, and why. None now: litgpt's loss in 16-row
+# chunks gathered its logits (1.66x Ulysses' bytes on 2 ranks, 1.98x on 4) until the chunks ran as
+# one (``autosp.backend._unchunk``)
+GATHERS: set[str] = set()
 
 
 def _params(names, *marks):
@@ -126,9 +123,6 @@ def test_torchtitan_moe_marked_token_local_matches_one_device_to_its_bf16_expert
 # ranks) -> the kinds of collective beyond it (``Plan.beyond_ulysses``, each named in ``explain``
 # with its reason)
 BEYOND_ULYSSES = {
-    # GATHERS: the logits, for the loss's 16-row chunks
-    ("litgpt_llama3_2_chunk16", 2): {"all_gather"},
-    ("litgpt_llama3_2_chunk16", 4): {"all_gather"},
     # the token shift reads the previous rank's last rows
     ("x_transformers_shift_tokens", 2): {"halo"},
     ("x_transformers_shift_tokens", 4): {"halo"},
@@ -155,9 +149,9 @@ def test_peer_plan_sends_ulysses_bytes_or_explains_the_rest(fake_world, name, wo
     activations' bytes per rank are at most 1.05x those of a hand-written Ulysses plan of the same
     attention (Q, K, V and output all-to-all each way); where a plan sends more, each collective
     beyond it is pinned by kind (``BEYOND_ULYSSES``) and ``explain`` names it with its reason.
-    Measured (2026-12-06): every model here 1.000x on both, but litgpt's 16-row chunked loss (its
-    logits gathered: 1.66x on 2, 1.98x on 4) and x-transformers' token shift (its halo rows:
-    1.016x, 1.021x)."""
+    Measured (2026-12-06): every model here 1.000x on both, but x-transformers' token shift (its
+    halo rows: 1.016x, 1.021x); litgpt's 16-row chunked loss was 1.66x and 1.98x (its logits
+    gathered) before its chunks ran as one."""
     import peer_models
     import torch
 

@@ -42,6 +42,7 @@ from ..propagate import propagate, solve
 from ._checks import any_rank, check_same_plan, check_same_schedule, cse_alike, largest_peaks, smallest_over_ranks
 from ._plan import Plan, build_plan, timing_line
 from ._symbolic import every_rank_graphs, guard_budget_lengths, guard_even_shards, hinted, is_symbolic, lengths_note
+from ._unchunk import unchunk
 
 __all__ = ["make_backend", "DECOMPOSITIONS", "CALL_STARTED"]
 
@@ -261,6 +262,7 @@ def make_backend(
     call (with a symbolic length, Dynamo picks among a step's compiles by the length)."""
     ctx = SpContext.of(mesh, options)
     plans: list[Plan] = []  # the plan of the compile under way, for its forward's compiled function
+    captured: list[str] = []  # the notes of the rewrites of Dynamo's graph of the compile under way
     clock = _Clock(_with_errors(_compiler(options.compiler)))
 
     @clock.planner
@@ -291,7 +293,7 @@ def make_backend(
             guard_tiles()
         check_same_schedule(fw, bw, ctx)
         budget = guard_budget_lengths(ckpt, joint_inputs)  # before the note, which reads the guards
-        notes = plan.notes + ((lengths_note(joint_inputs),) if to_joint is not None else ()) + budget
+        notes = plan.notes + tuple(captured) + ((lengths_note(joint_inputs),) if to_joint is not None else ()) + budget
         plan = dataclasses.replace(plan, memory=ckpt.memory, checkpoint=ckpt, notes=notes, timings=clock.times)
         plans[:] = [plan]
         if on_plan is not None:
@@ -308,7 +310,7 @@ def make_backend(
         per_rank, _, _ = _localizer(graph, inputs, outputs, None, to_graph, choice, ctx)
         local = _run("localize", per_rank)
         check_same_schedule(local, None, ctx)
-        notes = ("forward only (no grad): no checkpointing, no tiling",)
+        notes = (*captured, "forward only (no grad): no checkpointing, no tiling")
         notes += (lengths_note(inputs),) if to_graph is not None else ()
         plan = dataclasses.replace(plan, notes=plan.notes + notes, timings=clock.times)
         if on_plan is not None:
@@ -331,7 +333,7 @@ def make_backend(
         ran._boxed_call = True
         return ran
 
-    return aot_autograd(
+    compile_joint = aot_autograd(
         fw_compiler=fw_compile,
         bw_compiler=clock.backward,
         inference_compiler=forward_only,
@@ -339,3 +341,10 @@ def make_backend(
         decompositions=DECOMPOSITIONS,
         keep_inference_input_mutations=True,
     )
+
+    def backend(gm: fx.GraphModule, example_inputs):
+        """Dynamo's graph of the step: chunked losses as one (``unchunk``), then AOTAutograd."""
+        gm, captured[:] = unchunk(gm)
+        return compile_joint(gm, example_inputs)
+
+    return backend

@@ -383,7 +383,8 @@ def split_windows(node: fx.Node) -> tuple[int, list[Window]] | None:
 # Several windows of a split along the sequence, each sharded in its own right: off. litgpt's
 # chunked loss in 16-row chunks at 37 tokens on 2 ranks gave a loss 3e-3 from one device's on a
 # symbolic length, and per-rank collective counts that differ on a static one (refused); at 64
-# tokens exact. Until the windows' exchange is right at uneven lengths, such a split gathers.
+# tokens exact. Until the windows' exchange is right at uneven lengths, such a split gathers (a
+# loss in chunks of rows, as litgpt's, never reaches it: ``backend._unchunk`` runs it as one).
 SPLIT_WINDOWS = False
 
 

@@ -1,0 +1,235 @@
+"""A loss computed in chunks along the sequence, as one: the captured step's ``split`` of a tensor
+into chunks, each through the same row-local ops, concatenated back along the rows, becomes those
+ops on the whole tensor, before AOTAutograd traces the step.
+
+litgpt's ``chunked_cross_entropy`` (its default loss, ``chunk_size=128``) splits the flattened
+logits and targets into 128-row chunks, takes ``cross_entropy(..., reduction="none")`` of each and
+concatenates the results. Along a sharded sequence, a split into several windows is a split of the
+rows across ranks, and autosp gathered the logits for it (the largest activation, on every rank:
+1.66x Ulysses' bytes for 16-row chunks at 64 tokens over 2 ranks, the whole logits at any real
+length). Row by row, the chunked loss and the whole one compute the same values in the same order,
+so the rewrite is exact (bitwise), and the sequence stays sharded through the loss. Memory is the
+tiled rungs' concern (``partition._tiling``: the loss tile by tile), not the user's chunks'.
+
+Row-local here: ``cross_entropy`` and ``nll_loss`` with ``reduction="none"`` on (rows, classes);
+``log_softmax`` / ``softmax`` along another dim; elementwise ops of a chunk and numbers; dtype
+casts. Anything else in a chunk's ops, a chunk's value used outside them, chunks whose ops differ,
+or a concatenation along another dim leaves the graph as it is (and the split to its rule)."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from ..errors import source_line
+
+__all__ = ["unchunk"]
+
+_SPLITS = {torch.split, torch.chunk, "split", "chunk"}
+_CATS = {torch.cat, torch.concat, torch.concatenate}
+_ELEMENTWISE = {
+    operator.add,
+    operator.sub,
+    operator.mul,
+    operator.truediv,
+    operator.neg,
+    torch.add,
+    torch.sub,
+    torch.mul,
+    torch.div,
+    torch.neg,
+    torch.exp,
+    torch.log,
+    "float",
+    "to",
+    "type_as",
+    "neg",
+    "mul",
+    "add",
+    "div",
+    "sub",
+}
+_PER_ROW_LOSSES = {F.cross_entropy, F.nll_loss}
+_SOFTMAXES = {F.log_softmax, F.softmax, torch.log_softmax, torch.softmax, "log_softmax", "softmax"}
+
+
+def _target(nd: fx.Node):
+    return nd.target if nd.op in ("call_function", "call_method") else None
+
+
+def _arg(nd: fx.Node, i: int, name: str, default=None):
+    return nd.args[i] if len(nd.args) > i else nd.kwargs.get(name, default)
+
+
+def _example(nd) -> torch.Tensor | None:
+    v = nd.meta.get("example_value") if isinstance(nd, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _split_dim(nd: fx.Node) -> int | None:
+    """The dim a split or chunk node splits along (non-negative), or None if ``nd`` is not one."""
+    if nd.op not in ("call_function", "call_method") or _target(nd) not in _SPLITS:
+        return None
+    x = _example(nd.args[0])
+    if x is None:
+        return None
+    return _arg(nd, 2, "dim", 0) % x.ndim
+
+
+def _split_alike(splits: set[fx.Node]) -> bool:
+    """Whether the splits cut their inputs at the same rows: one dim, and chunk by chunk the same
+    sizes along it (known without a guard)."""
+    dims = {_split_dim(s) for s in splits}
+    if len(dims) != 1:
+        return False
+    (dim,) = dims
+    sizes = []
+    for s in splits:
+        chunks = s.meta.get("example_value")
+        if not isinstance(chunks, (list, tuple)) or not all(isinstance(c, torch.Tensor) for c in chunks):
+            return False
+        sizes.append([c.shape[dim] for c in chunks])
+    return all(
+        len(other) == len(sizes[0]) and all(statically_known_true(a == b) for a, b in zip(other, sizes[0]))
+        for other in sizes[1:]
+    )
+
+
+def _row_dim(nd: fx.Node, rows: dict[fx.Node, int]) -> int | None:
+    """The dim of ``nd``'s result whose entries depend on one row of its chunked inputs each (the
+    chunked inputs' rows along ``rows[input]``), or None if ``nd`` mixes rows."""
+    dims = {rows[a] for a in nd.all_input_nodes if a in rows}
+    if len(dims) != 1:
+        return None
+    (d,) = dims
+    t = _target(nd)
+    if any(a not in rows and _example(a) is not None for a in nd.all_input_nodes):
+        # a tensor from outside the chunk: only a loss's own weight would be row-local; refuse
+        return None
+    if t in _ELEMENTWISE:  # no broadcasting of a chunk against another's rows
+        ndims = {v.ndim for v in map(_example, [nd, *nd.all_input_nodes]) if v is not None}
+        return d if len(ndims) == 1 else None
+    if t in _SOFTMAXES:
+        x = _example(nd.args[0])
+        dim = _arg(nd, 1, "dim")
+        return d if x is not None and dim is not None and dim % x.ndim != d else None
+    if t in _PER_ROW_LOSSES:
+        x = _example(nd.args[0])
+        none = nd.kwargs.get("reduction", "mean") == "none" and len(nd.args) <= 2
+        return 0 if none and x is not None and x.ndim == 2 and d == 0 else None
+    return None
+
+
+def _cone(out: fx.Node, index: int, cat: fx.Node) -> tuple[list[fx.Node], dict[fx.Node, fx.Node]] | None:
+    """The ops that make ``out`` from the ``index``-th chunks of splits, in graph order, and the
+    chunk each reads -> its split; None if a value among them is used elsewhere."""
+    ops, chunks, todo = set(), {}, [out]
+    while todo:
+        nd = todo.pop()
+        if nd in ops or nd in chunks:
+            continue
+        if nd.op == "call_function" and nd.target is operator.getitem and _split_dim(nd.args[0]) is not None:
+            if nd.args[1] != index:
+                return None
+            chunks[nd] = nd.args[0]
+            continue
+        if nd.op not in ("call_function", "call_method"):
+            return None
+        ops.add(nd)
+        todo.extend(nd.all_input_nodes)
+    for nd in [*ops, *chunks]:
+        if any(u not in ops and u is not cat for u in nd.users) or (nd is not out and cat in nd.users):
+            return None
+    order = {nd: i for i, nd in enumerate(out.graph.nodes)}
+    return sorted(ops, key=order.__getitem__), chunks
+
+
+def _same_ops(a: list[fx.Node], b: list[fx.Node], to_a: dict[fx.Node, fx.Node]) -> bool:
+    """Whether ops ``b`` do what ops ``a`` do, ``to_a`` mapping ``b``'s chunks to ``a``'s."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if _target(x) != _target(y) or x.op != y.op:
+            return False
+        mapped = fx.node.map_arg((y.args, y.kwargs), lambda n: to_a.get(n, n))
+        if mapped != (x.args, x.kwargs):
+            return False
+        to_a[y] = x
+    return True
+
+
+def _fusable(cat: fx.Node) -> tuple[list[fx.Node], dict[fx.Node, fx.Node], fx.Node] | None:
+    """(the first chunk's ops, its chunks -> their splits, its result) of a concatenation of
+    chunks that went through the same row-local ops, or None."""
+    parts = cat.args[0] if cat.args else None
+    if not isinstance(parts, (list, tuple)) or len(parts) < 2 or not all(isinstance(p, fx.Node) for p in parts):
+        return None
+    cones = [_cone(p, i, cat) for i, p in enumerate(parts)]
+    if any(c is None for c in cones):
+        return None
+    (ops0, chunks0), out0 = cones[0], parts[0]
+    splits = set(chunks0.values())
+    if not chunks0 or not _split_alike(splits):
+        return None
+    for s in splits:  # every chunk of every split is read, one per part
+        if len([u for u in s.users if u.target is operator.getitem]) != len(parts) or len(s.users) != len(parts):
+            return None
+    for ops, chunks in cones[1:]:
+        if set(chunks.values()) != splits:
+            return None
+        by_split = {s: c for c, s in chunks0.items()}
+        if not _same_ops(ops0, ops, {c: by_split[s] for c, s in chunks.items()}):
+            return None
+    rows = {c: _split_dim(s) for c, s in chunks0.items()}
+    for nd in ops0:
+        d = _row_dim(nd, rows)
+        if d is None:
+            return None
+        rows[nd] = d
+    out = _example(out0)
+    dim = _arg(cat, 1, "dim", 0)
+    if out is None or dim % out.ndim != rows[out0]:
+        return None
+    return ops0, chunks0, out0
+
+
+def _describe(ops: list[fx.Node], chunks: dict[fx.Node, fx.Node], parts: int) -> str:
+    order = {nd: i for i, nd in enumerate(ops[0].graph.nodes)}
+    split = min(chunks.values(), key=order.__getitem__)
+    names = ", ".join(dict.fromkeys(getattr(_target(nd), "__name__", str(_target(nd))) for nd in ops))
+    return (
+        f"chunked along the sequence at {source_line(split)}: {parts} chunks, each through {names}, "
+        "concatenated: run as one on the whole tensor (the same values row by row; the chunks gather nothing)"
+    )
+
+
+def unchunk(gm: fx.GraphModule) -> tuple[fx.GraphModule, tuple[str, ...]]:
+    """``gm`` with every concatenation of chunks that went through the same row-local ops
+    replaced by those ops on the unsplit tensors; and a note per rewrite."""
+    notes = []
+    for cat in [nd for nd in gm.graph.nodes if nd.op == "call_function" and nd.target in _CATS]:
+        found = _fusable(cat)
+        if found is None:
+            continue
+        ops, chunks, out = found
+        parts = cat.args[0]
+        doomed = {cat, *chunks.values()}
+        for i, p in enumerate(parts):
+            ops_i, chunks_i = _cone(p, i, cat)
+            doomed |= {*ops_i, *chunks_i}
+        env: dict[fx.Node, fx.Node] = {c: s.args[0] for c, s in chunks.items()}
+        with gm.graph.inserting_before(cat):
+            for nd in ops:
+                env[nd] = gm.graph.node_copy(nd, lambda n, env=env: env.get(n, n))
+        cat.replace_all_uses_with(env[out])
+        notes.append(_describe(ops, chunks, len(parts)))
+        for nd in reversed(list(gm.graph.nodes)):
+            if nd in doomed and not nd.users:
+                gm.graph.erase_node(nd)
+    gm.graph.lint()
+    gm.recompile()
+    return gm, tuple(notes)

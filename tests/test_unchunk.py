@@ -1,0 +1,116 @@
+"""A loss in chunks along the rows runs as one (``autosp.backend._unchunk``): litgpt's
+``chunked_cross_entropy`` split its logits into chunks along the sharded sequence, and autosp
+gathered the logits for the split. Pure tests on Dynamo's graph of a step (the rewrite's values
+are the chunked ones, bit for bit; what is not row-local is left alone) and a plan test (nothing
+gathered)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from autosp.backend._unchunk import unchunk
+
+
+def _captured(fn, *args):
+    """(the rewrite's notes, its graph's targets, fn's result and gradient through the rewritten
+    graph, and without it)."""
+    seen = {}
+
+    def backend(gm, example_inputs):
+        gm, notes = unchunk(gm)
+        seen["notes"], seen["targets"] = notes, [nd.target for nd in gm.graph.nodes]
+        return gm
+
+    torch._dynamo.reset()
+    out = []
+    for compiled in (torch.compile(fn, backend=backend, fullgraph=True), fn):
+        xs = [a.detach().clone().requires_grad_(a.is_floating_point()) for a in args]
+        y = compiled(*xs)
+        y.backward()
+        out.append((y.detach(), xs[0].grad))
+    return seen["notes"], seen["targets"], out
+
+
+def _litgpt(logits, labels):  # litgpt.utils.chunked_cross_entropy's chunked path
+    pairs = zip(logits.split(16), labels.split(16))
+    chunks = [F.cross_entropy(x, y, ignore_index=-100, reduction="none") for x, y in pairs]
+    return torch.cat(chunks).sum() / (labels != -100).sum()
+
+
+def _functions(logits, labels):  # torch.split and torch.chunk, a cast and a scale per chunk
+    xs, ys = torch.split(logits, 10, dim=0), torch.chunk(labels, 4)
+    return torch.cat([2.0 * F.cross_entropy(x.float(), y, reduction="none") for x, y in zip(xs, ys)], dim=0).mean()
+
+
+def _log_softmax(logits, labels):  # per-row log-probabilities, then a row-wise product
+    return torch.cat([F.log_softmax(x, dim=-1) * 0.5 for x in logits.chunk(3)]).sum()
+
+
+@pytest.mark.parametrize("fn", [_litgpt, _functions, _log_softmax])
+def test_a_loss_in_chunks_of_rows_runs_as_one_with_the_same_values(fn):
+    """The chunks' split, their ops and the cat leave the graph; the loss and the logits'
+    gradient are the chunked ones bit for bit (row by row the same computation)."""
+    logits, labels = torch.randn(40, 24), torch.randint(0, 24, (40,))
+    notes, targets, ((y, g), (y_ref, g_ref)) = _captured(fn, logits, labels)
+    assert len(notes) == 1 and "chunks" in notes[0] and "gather nothing" in notes[0], notes
+    assert not {"split", "chunk", torch.split, torch.chunk, torch.cat} & set(targets), targets
+    assert torch.equal(y, y_ref) and torch.equal(g, g_ref)
+
+
+def _mean_per_chunk(logits, labels):  # a mean per chunk: not row-local (the chunks weigh alike)
+    return sum(F.cross_entropy(x, y) for x, y in zip(logits.split(16), labels.split(16)))
+
+
+def _across_rows(logits, labels):  # a chunk's rows mixed (a cumulative sum along them)
+    return torch.cat([x.cumsum(0) for x in logits.split(16)]).sum()
+
+
+def _unlike_chunks(logits, labels):  # the chunks through different ops
+    parts = [F.cross_entropy(x, y, reduction="none") for x, y in zip(logits.split(16), labels.split(16))]
+    return torch.cat([parts[0] * 2.0, *parts[1:]]).sum()
+
+
+def _used_elsewhere(logits, labels):  # a chunk read outside its ops
+    xs = logits.split(16)
+    return torch.cat([F.log_softmax(x, dim=-1) for x in xs]).sum() + xs[0].sum()
+
+
+def _other_cuts(logits, labels):  # paired splits at other rows (16-row and 20-row chunks of 40: 3 vs 2)
+    xs, ys = logits.split(20), labels.split(20)
+    zs = labels.float().split(16)[:2]
+    return torch.cat([F.cross_entropy(x, y, reduction="none") * z.sum() for x, y, z in zip(xs, ys, zs)]).sum()
+
+
+def _other_dim(logits, labels):  # chunks along the rows, concatenated along the classes
+    return torch.cat([F.log_softmax(x, dim=-1) for x in logits.split(8)], dim=1).sum()
+
+
+LEFT_ALONE = [_mean_per_chunk, _across_rows, _unlike_chunks, _used_elsewhere, _other_cuts, _other_dim]
+
+
+@pytest.mark.parametrize("fn", LEFT_ALONE)
+def test_chunks_that_are_not_row_local_are_left_as_they_are(fn):
+    logits, labels = torch.randn(40, 24), torch.randint(0, 24, (40,))
+    notes, targets, ((y, _), (y_ref, _)) = _captured(fn, logits, labels)
+    assert notes == () and ("split" in targets or torch.split in targets), targets
+    assert torch.equal(y, y_ref)
+
+
+def test_a_hand_written_chunked_loss_plans_ulysses_bytes_and_gathers_nothing(fake_world):
+    """Plan tier, 4 ranks, 61 tokens: a Llama whose loss is ``torch.chunk``ed in 4 along the rows
+    sends what a hand-written Ulysses plan sends (it gathered the logits before), and the plan
+    names the rewrite."""
+    import cases
+
+    import autosp
+
+    fake_world(4)
+    model, vocab, fn = cases._lengths_model("llama_chunked_loss")
+    with autosp.mesh(sp=4):
+        step = autosp.shard(lambda ids: fn(model, ids), compiler="aot_eager", dynamic=False)
+        plan = autosp.explain(step, torch.randint(0, vocab, (1, 61)))
+    assert "all_gather" not in {c.kind for c in plan.collectives}, str(plan)
+    assert plan.activation_bytes <= 1.05 * plan.ulysses_bytes, str(plan)
+    assert any(n.startswith("chunked along the sequence at") and "test" in n for n in plan.notes), plan.notes

@@ -55,6 +55,7 @@ _ELEMENTWISE = {
 }
 _PER_ROW_LOSSES = {F.cross_entropy, F.nll_loss}
 _SOFTMAXES = {F.log_softmax, F.softmax, torch.log_softmax, torch.softmax, "log_softmax", "softmax"}
+_ROW_LOCAL = _ELEMENTWISE | _PER_ROW_LOSSES | _SOFTMAXES
 
 
 def _target(nd: fx.Node):
@@ -137,7 +138,7 @@ def _cone(out: fx.Node, index: int, cat: fx.Node) -> tuple[list[fx.Node], dict[f
                 return None
             chunks[nd] = nd.args[0]
             continue
-        if nd.op not in ("call_function", "call_method"):
+        if _target(nd) not in _ROW_LOCAL:  # the walk stops at once off the chunks' ops (a rotary cat's slices)
             return None
         ops.add(nd)
         todo.extend(nd.all_input_nodes)

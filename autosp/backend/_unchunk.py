@@ -73,7 +73,7 @@ def _example(nd) -> torch.Tensor | None:
 
 def _split_dim(nd: fx.Node) -> int | None:
     """The dim a split or chunk node splits along (non-negative), or None if ``nd`` is not one."""
-    if nd.op not in ("call_function", "call_method") or _target(nd) not in _SPLITS:
+    if not isinstance(nd, fx.Node) or _target(nd) not in _SPLITS:
         return None
     x = _example(nd.args[0])
     if x is None:

@@ -1551,15 +1551,20 @@ def _lengths_model(kind: str):
 
         model, fn = peer_models.BUILDERS[kind[5:]]()
         vocab = peer_models.VOCAB
-    elif kind.endswith("_chunked_loss"):  # a model of MODELS, its loss over 4 chunks of the rows
-        model, vocab = MODELS[kind.removesuffix("_chunked_loss")](), 256
+    elif kind.endswith(("_chunked_loss", "_summed_chunks")):  # a model of MODELS, its loss over 4 chunks
+        # of the rows: concatenated per-row losses, or a loop adding per-chunk sums
+        summed = kind.endswith("_summed_chunks")
+        model, vocab = MODELS[kind.removesuffix("_summed_chunks" if summed else "_chunked_loss")](), 256
 
         def fn(m, ids):
             logits, labels = m(ids)[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1)
-            losses = [
-                torch.nn.functional.cross_entropy(x.float(), y, reduction="none")
-                for x, y in zip(torch.chunk(logits, 4), torch.chunk(labels, 4))
-            ]
+            pairs = zip(torch.chunk(logits, 4), torch.chunk(labels, 4))
+            if summed:
+                loss = 0
+                for x, y in pairs:
+                    loss = loss + torch.nn.functional.cross_entropy(x, y, reduction="sum")
+                return loss / labels.numel()
+            losses = [torch.nn.functional.cross_entropy(x.float(), y, reduction="none") for x, y in pairs]
             return torch.cat(losses).mean()
     elif kind.endswith("_shift_logits"):  # a model of MODELS, the loss shifting its logits
         model, vocab = MODELS[kind.removesuffix("_shift_logits")](), 256

@@ -59,6 +59,33 @@ def test_a_loss_in_chunks_of_rows_runs_as_one_with_the_same_values(fn):
     assert torch.equal(y, y_ref) and torch.equal(g, g_ref)
 
 
+def _loop_of_sums(logits, labels):  # a loop adding per-chunk sums (torchtune's chunked loss's way)
+    loss = 0
+    for x, y in zip(logits.split(16), labels.split(16)):
+        loss = loss + F.cross_entropy(x.float(), y, reduction="sum")
+    return loss / labels.numel()
+
+
+def _builtin_sum(logits, labels):  # Python's sum of per-chunk sums of a row-local value
+    return sum((F.log_softmax(x, dim=-1) * 0.5).sum() for x in torch.chunk(logits, 3))
+
+
+@pytest.mark.parametrize("fn", [_loop_of_sums, _builtin_sum])
+def test_a_sum_of_per_chunk_sums_runs_as_one_sum(fn):
+    """The same terms added in another order: within float rounding of the chunked loss, the
+    logits' gradient (row by row the same) bit for bit."""
+    logits, labels = torch.randn(40, 24), torch.randint(0, 24, (40,))
+    notes, targets, ((y, g), (y_ref, g_ref)) = _captured(fn, logits, labels)
+    assert len(notes) == 1 and "summed" in notes[0], notes
+    assert not {"split", "chunk", torch.split, torch.chunk} & set(targets), targets
+    assert torch.allclose(y, y_ref, rtol=1e-6, atol=0) and torch.equal(g, g_ref)
+
+
+def _weighted_sums(logits, labels):  # each chunk's sum weighed by its index: the chunks' ops differ
+    pairs = enumerate(zip(logits.split(16), labels.split(16)))
+    return sum((i + 1) * F.cross_entropy(x, y, reduction="sum") for i, (x, y) in pairs)
+
+
 def _mean_per_chunk(logits, labels):  # a mean per chunk: not row-local (the chunks weigh alike)
     return sum(F.cross_entropy(x, y) for x, y in zip(logits.split(16), labels.split(16)))
 
@@ -87,7 +114,7 @@ def _other_dim(logits, labels):  # chunks along the rows, concatenated along the
     return torch.cat([F.log_softmax(x, dim=-1) for x in logits.split(8)], dim=1).sum()
 
 
-LEFT_ALONE = [_mean_per_chunk, _across_rows, _unlike_chunks, _used_elsewhere, _other_cuts, _other_dim]
+LEFT_ALONE = [_weighted_sums, _mean_per_chunk, _across_rows, _unlike_chunks, _used_elsewhere, _other_cuts, _other_dim]
 
 
 @pytest.mark.parametrize("fn", LEFT_ALONE)
@@ -98,19 +125,38 @@ def test_chunks_that_are_not_row_local_are_left_as_they_are(fn):
     assert torch.equal(y, y_ref)
 
 
-def test_a_hand_written_chunked_loss_plans_ulysses_bytes_and_gathers_nothing(fake_world):
+@pytest.mark.parametrize("kind,how", [("llama_chunked_loss", "concatenated"), ("llama_summed_chunks", "summed")])
+def test_a_hand_written_chunked_loss_plans_ulysses_bytes_and_gathers_nothing(fake_world, kind, how):
     """Plan tier, 4 ranks, 61 tokens: a Llama whose loss is ``torch.chunk``ed in 4 along the rows
-    sends what a hand-written Ulysses plan sends (it gathered the logits before), and the plan
-    names the rewrite."""
+    (per-row losses concatenated, or a loop adding per-chunk sums) sends what a hand-written
+    Ulysses plan sends (it gathered the logits before), and the plan names the rewrite."""
     import cases
 
     import autosp
 
     fake_world(4)
-    model, vocab, fn = cases._lengths_model("llama_chunked_loss")
+    model, vocab, fn = cases._lengths_model(kind)
     with autosp.mesh(sp=4):
         step = autosp.shard(lambda ids: fn(model, ids), compiler="aot_eager", dynamic=False)
         plan = autosp.explain(step, torch.randint(0, vocab, (1, 61)))
     assert "all_gather" not in {c.kind for c in plan.collectives}, str(plan)
     assert plan.activation_bytes <= 1.05 * plan.ulysses_bytes, str(plan)
-    assert any(n.startswith("chunked along the sequence at") and "test" in n for n in plan.notes), plan.notes
+    assert any(n.startswith("chunked along the sequence at") and how in n for n in plan.notes), plan.notes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["llama_chunked_loss", "llama_summed_chunks"])
+def test_a_hand_written_chunked_loss_is_exact_and_split_on_two_ranks(pools, kind):
+    """gloo, 2 ranks, 64 and 37 tokens on a symbolic length: the loss and gradients within 1e-5 of
+    one device running the chunked loss as written; nothing gathered; each rank's matmuls its share.
+    (The fast tier runs litgpt's chunked loss exact: ``test_peers``.)"""
+    import cases
+    from _checks import assert_matmuls_split
+
+    lengths = [64, 37]
+    results = pools(2).run(cases.many_lengths, kind, lengths, 8, True, None, None, "aot_eager")
+    for r in results:
+        for loss, ref, err in r["steps"]:
+            assert abs(loss - ref) <= 1e-5 * abs(ref) and err <= 1e-5, r["steps"]
+        assert "all_gather" not in r["kinds"], r["kinds"]
+    assert_matmuls_split([{"flops": r["flops"]} for r in results], lengths[-1])

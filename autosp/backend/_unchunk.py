@@ -13,12 +13,17 @@ tiled rungs' concern (``partition._tiling``: the loss tile by tile), not the use
 
 Row-local here: ``cross_entropy`` and ``nll_loss`` with ``reduction="none"`` on (rows, classes);
 ``log_softmax`` / ``softmax`` along another dim; elementwise ops of a chunk and numbers; dtype
-casts. Anything else in a chunk's ops, a chunk's value used outside them, chunks whose ops differ,
-or a concatenation along another dim leaves the graph as it is (and the split to its rule)."""
+casts. The other way users write it, a sum of per-chunk sums (``loss = loss + cross_entropy(x,
+y, reduction="sum")`` in a loop, Python's ``sum`` of them, ``.sum()`` of a row-local chunk),
+becomes the sum over the whole tensor: the same terms, added in another order (as the ranks'
+partial sums are anyway). Anything else in a chunk's ops (a mean per chunk weighs the chunks
+alike), a chunk's value used outside them, chunks whose ops differ, or a concatenation along
+another dim leaves the graph as it is (and the split to its rule)."""
 
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -55,7 +60,9 @@ _ELEMENTWISE = {
 }
 _PER_ROW_LOSSES = {F.cross_entropy, F.nll_loss}
 _SOFTMAXES = {F.log_softmax, F.softmax, torch.log_softmax, torch.softmax, "log_softmax", "softmax"}
-_ROW_LOCAL = _ELEMENTWISE | _PER_ROW_LOSSES | _SOFTMAXES
+_SUMS = {torch.sum, "sum"}
+_ADDS = {operator.add, torch.add, "add"}
+_WALKED = _ELEMENTWISE | _PER_ROW_LOSSES | _SOFTMAXES | _SUMS
 
 
 def _target(nd: fx.Node):
@@ -125,9 +132,10 @@ def _row_dim(nd: fx.Node, rows: dict[fx.Node, int]) -> int | None:
     return None
 
 
-def _cone(out: fx.Node, index: int, cat: fx.Node) -> tuple[list[fx.Node], dict[fx.Node, fx.Node]] | None:
+def _cone(out: fx.Node, index: int, sinks: set[fx.Node]) -> tuple[list[fx.Node], dict[fx.Node, fx.Node]] | None:
     """The ops that make ``out`` from the ``index``-th chunks of splits, in graph order, and the
-    chunk each reads -> its split; None if a value among them is used elsewhere."""
+    chunk each reads -> its split; None if a value among them is used elsewhere than by them and
+    (``out`` alone) by ``sinks``."""
     ops, chunks, todo = set(), {}, [out]
     while todo:
         nd = todo.pop()
@@ -138,12 +146,12 @@ def _cone(out: fx.Node, index: int, cat: fx.Node) -> tuple[list[fx.Node], dict[f
                 return None
             chunks[nd] = nd.args[0]
             continue
-        if _target(nd) not in _ROW_LOCAL:  # the walk stops at once off the chunks' ops (a rotary cat's slices)
+        if _target(nd) not in _WALKED:  # the walk stops at once off the chunks' ops (a rotary cat's slices)
             return None
         ops.add(nd)
         todo.extend(nd.all_input_nodes)
     for nd in [*ops, *chunks]:
-        if any(u not in ops and u is not cat for u in nd.users) or (nd is not out and cat in nd.users):
+        if any(u not in ops and (nd is not out or u not in sinks) for u in nd.users):
             return None
     order = {nd: i for i, nd in enumerate(out.graph.nodes)}
     return sorted(ops, key=order.__getitem__), chunks
@@ -163,13 +171,37 @@ def _same_ops(a: list[fx.Node], b: list[fx.Node], to_a: dict[fx.Node, fx.Node]) 
     return True
 
 
-def _fusable(cat: fx.Node) -> tuple[list[fx.Node], dict[fx.Node, fx.Node], fx.Node] | None:
-    """(the first chunk's ops, its chunks -> their splits, its result) of a concatenation of
-    chunks that went through the same row-local ops, or None."""
-    parts = cat.args[0] if cat.args else None
-    if not isinstance(parts, (list, tuple)) or len(parts) < 2 or not all(isinstance(p, fx.Node) for p in parts):
+def _summed(nd: fx.Node, rows: dict[fx.Node, int]) -> bool:
+    """Whether ``nd`` sums every entry of its row-local input: a per-row loss with ``reduction=
+    "sum"`` on (rows, classes), or ``sum()`` without a dim."""
+    t, x = _target(nd), _example(nd.args[0]) if nd.args else None
+    if any(a not in rows and _example(a) is not None for a in nd.all_input_nodes) or x is None:
+        return False
+    if t in _PER_ROW_LOSSES:
+        return nd.kwargs.get("reduction") == "sum" and len(nd.args) <= 2 and x.ndim == 2 and rows[nd.args[0]] == 0
+    return t in _SUMS and len(nd.args) == 1 and not nd.kwargs
+
+
+@dataclass(frozen=True)
+class _Chunked:
+    """What a rewrite replaces: ``root`` (the concatenation, or the last of the additions), the
+    nodes that go with it, the first chunk's ops (its result ``out``) and its chunks -> their splits."""
+
+    root: fx.Node
+    how: str
+    doomed: frozenset[fx.Node]
+    ops: list[fx.Node]
+    chunks: dict[fx.Node, fx.Node]
+    out: fx.Node
+
+
+def _fusable(root: fx.Node, parts: list, sinks: set[fx.Node], how: str) -> _Chunked | None:
+    """The rewrite of ``parts``, the results of chunks that went through the same ops combined by
+    ``sinks`` into ``root``: concatenated along the rows (``how`` "concatenated": every op
+    row-local) or added (``how`` "summed": the last op sums what row-local ops made), or None."""
+    if len(parts) < 2 or not all(isinstance(p, fx.Node) for p in parts):
         return None
-    cones = [_cone(p, i, cat) for i, p in enumerate(parts)]
+    cones = [_cone(p, i, sinks) for i, p in enumerate(parts)]
     if any(c is None for c in cones):
         return None
     (ops0, chunks0), out0 = cones[0], parts[0]
@@ -179,57 +211,92 @@ def _fusable(cat: fx.Node) -> tuple[list[fx.Node], dict[fx.Node, fx.Node], fx.No
     for s in splits:  # every chunk of every split is read, one per part
         if len([u for u in s.users if u.target is operator.getitem]) != len(parts) or len(s.users) != len(parts):
             return None
+    by_split = {s: c for c, s in chunks0.items()}
     for ops, chunks in cones[1:]:
-        if set(chunks.values()) != splits:
-            return None
-        by_split = {s: c for c, s in chunks0.items()}
-        if not _same_ops(ops0, ops, {c: by_split[s] for c, s in chunks.items()}):
+        if set(chunks.values()) != splits or not _same_ops(ops0, ops, {c: by_split[s] for c, s in chunks.items()}):
             return None
     rows = {c: _split_dim(s) for c, s in chunks0.items()}
     for nd in ops0:
+        if how == "summed" and nd is out0:
+            if not _summed(nd, rows):
+                return None
+            continue
         d = _row_dim(nd, rows)
         if d is None:
             return None
         rows[nd] = d
-    out = _example(out0)
-    dim = _arg(cat, 1, "dim", 0)
-    if out is None or dim % out.ndim != rows[out0]:
+    if how == "concatenated":
+        out = _example(out0)
+        if out is None or _arg(root, 1, "dim", 0) % out.ndim != rows[out0]:
+            return None
+    elif out0 not in ops0:
         return None
-    return ops0, chunks0, out0
+    doomed = {*sinks, *splits, *(nd for ops, chunks in cones for nd in (*ops, *chunks))}
+    return _Chunked(root, how, frozenset(doomed), ops0, chunks0, out0)
 
 
-def _describe(ops: list[fx.Node], chunks: dict[fx.Node, fx.Node], parts: int) -> str:
-    order = {nd: i for i, nd in enumerate(ops[0].graph.nodes)}
-    split = min(chunks.values(), key=order.__getitem__)
-    names = ", ".join(dict.fromkeys(getattr(_target(nd), "__name__", str(_target(nd))) for nd in ops))
+def _additions(root: fx.Node) -> tuple[list, set[fx.Node]] | None:
+    """(the terms, the additions) of a sum of terms ``root`` ends, a leading 0 dropped (Python's
+    ``sum`` and a loop's ``loss = 0`` start there), or None."""
+    terms, adds = [], set()
+
+    def walk(nd):
+        inner = nd is root or isinstance(nd, fx.Node) and len(nd.users) == 1
+        if inner and isinstance(nd, fx.Node) and _target(nd) in _ADDS and len(nd.args) == 2 and not nd.kwargs:
+            adds.add(nd)
+            walk(nd.args[0])
+            walk(nd.args[1])
+        else:
+            terms.append(nd)
+
+    walk(root)
+    if terms and isinstance(terms[0], (int, float)) and terms[0] == 0:
+        terms = terms[1:]
+    return (terms, adds) if len(adds) >= 1 and all(isinstance(t, fx.Node) for t in terms) else None
+
+
+def _found(gm: fx.GraphModule) -> list[_Chunked]:
+    out, taken = [], set()
+    for nd in reversed(gm.graph.nodes):
+        if nd in taken or nd.op != "call_function" and nd.op != "call_method":
+            continue
+        if nd.target in _CATS and nd.args and isinstance(nd.args[0], (list, tuple)):
+            found = _fusable(nd, list(nd.args[0]), {nd}, "concatenated")
+        elif _target(nd) in _ADDS and (summed := _additions(nd)) is not None:
+            found = _fusable(nd, summed[0], summed[1], "summed")
+        else:
+            continue
+        if found is not None:
+            out.append(found)
+            taken |= found.doomed
+    return out
+
+
+def _describe(c: _Chunked) -> str:
+    order = {nd: i for i, nd in enumerate(c.root.graph.nodes)}
+    split = min(c.chunks.values(), key=order.__getitem__)
+    names = ", ".join(dict.fromkeys(getattr(_target(nd), "__name__", str(_target(nd))) for nd in c.ops))
+    parts = len(split.users)
     return (
         f"chunked along the sequence at {source_line(split)}: {parts} chunks, each through {names}, "
-        "concatenated: run as one on the whole tensor (the same values row by row; the chunks gather nothing)"
+        f"{c.how}: run as one on the whole tensor (the chunks gather nothing)"
     )
 
 
 def unchunk(gm: fx.GraphModule) -> tuple[fx.GraphModule, tuple[str, ...]]:
-    """``gm`` with every concatenation of chunks that went through the same row-local ops
-    replaced by those ops on the unsplit tensors; and a note per rewrite."""
+    """``gm`` with every concatenation (along the rows) or sum of chunks that went through the
+    same ops, row-local but for a sum last, replaced by those ops on the unsplit tensors; and a
+    note per rewrite."""
     notes = []
-    for cat in [nd for nd in gm.graph.nodes if nd.op == "call_function" and nd.target in _CATS]:
-        found = _fusable(cat)
-        if found is None:
-            continue
-        ops, chunks, out = found
-        parts = cat.args[0]
-        doomed = {cat, *chunks.values()}
-        for i, p in enumerate(parts):
-            ops_i, chunks_i = _cone(p, i, cat)
-            doomed |= {*ops_i, *chunks_i}
-        env: dict[fx.Node, fx.Node] = {c: s.args[0] for c, s in chunks.items()}
-        with gm.graph.inserting_before(cat):
-            for nd in ops:
+    for c in _found(gm):
+        env: dict[fx.Node, fx.Node] = {chunk: split.args[0] for chunk, split in c.chunks.items()}
+        with gm.graph.inserting_before(c.root):
+            for nd in c.ops:
                 env[nd] = gm.graph.node_copy(nd, lambda n, env=env: env.get(n, n))
-        cat.replace_all_uses_with(env[out])
-        notes.append(_describe(ops, chunks, len(parts)))
+        notes.append(_describe(c))
+        c.root.replace_all_uses_with(env[c.out])
         for nd in reversed(list(gm.graph.nodes)):
-            if nd in doomed and not nd.users:
+            if nd in c.doomed and not nd.users:
                 gm.graph.erase_node(nd)
     gm.graph.lint()
     gm.recompile()

@@ -147,16 +147,32 @@ def test_a_hand_written_chunked_loss_plans_ulysses_bytes_and_gathers_nothing(fak
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama_chunked_loss", "llama_summed_chunks"])
 def test_a_hand_written_chunked_loss_is_exact_and_split_on_two_ranks(pools, kind):
-    """gloo, 2 ranks, 64 and 37 tokens on a symbolic length: the loss and gradients within 1e-5 of
-    one device running the chunked loss as written; nothing gathered; each rank's matmuls its share.
-    (The fast tier runs litgpt's chunked loss exact: ``test_peers``.)"""
+    """gloo, 2 ranks, under the defaults (Inductor, a symbolic length), 64 and 37 tokens: the loss
+    and gradients within 1e-5 of one device running the chunked loss as written; nothing gathered;
+    each rank's matmuls its share. (The fast tier runs litgpt's chunked loss exact: ``test_peers``.)"""
     import cases
     from _checks import assert_matmuls_split
 
     lengths = [64, 37]
-    results = pools(2).run(cases.many_lengths, kind, lengths, 8, True, None, None, "aot_eager")
+    results = pools(2).run(cases.many_lengths, kind, lengths, 8, True, None, None, "inductor")
     for r in results:
         for loss, ref, err in r["steps"]:
             assert abs(loss - ref) <= 1e-5 * abs(ref) and err <= 1e-5, r["steps"]
         assert "all_gather" not in r["kinds"], r["kinds"]
     assert_matmuls_split([{"flops": r["flops"]} for r in results], lengths[-1])
+
+
+def test_a_sum_over_more_chunks_than_pythons_recursion_limit_runs_as_one():
+    """1100 one-row chunks, each ``.sum()``ed and added in a loop: the additions are walked
+    without recursion (a recursive walk stopped at Python's limit of 1000 frames)."""
+
+    def many(logits, labels):
+        loss = 0
+        for x in logits.split(1):
+            loss = loss + (x * 2.0).sum()
+        return loss
+
+    logits = torch.randn(1100, 4)
+    notes, _, ((y, g), (y_ref, g_ref)) = _captured(many, logits, torch.zeros(1))
+    assert len(notes) == 1 and "1100 chunks" in notes[0] and "summed" in notes[0], notes
+    assert torch.allclose(y, y_ref, rtol=1e-5) and torch.equal(g, g_ref)

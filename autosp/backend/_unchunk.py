@@ -132,7 +132,9 @@ def _row_dim(nd: fx.Node, rows: dict[fx.Node, int]) -> int | None:
     return None
 
 
-def _cone(out: fx.Node, index: int, sinks: set[fx.Node]) -> tuple[list[fx.Node], dict[fx.Node, fx.Node]] | None:
+def _cone(
+    out: fx.Node, index: int, sinks: set[fx.Node], order: dict[fx.Node, int]
+) -> tuple[list[fx.Node], dict[fx.Node, fx.Node]] | None:
     """The ops that make ``out`` from the ``index``-th chunks of splits, in graph order, and the
     chunk each reads -> its split; None if a value among them is used elsewhere than by them and
     (``out`` alone) by ``sinks``."""
@@ -153,7 +155,6 @@ def _cone(out: fx.Node, index: int, sinks: set[fx.Node]) -> tuple[list[fx.Node],
     for nd in [*ops, *chunks]:
         if any(u not in ops and (nd is not out or u not in sinks) for u in nd.users):
             return None
-    order = {nd: i for i, nd in enumerate(out.graph.nodes)}
     return sorted(ops, key=order.__getitem__), chunks
 
 
@@ -193,15 +194,16 @@ class _Chunked:
     ops: list[fx.Node]
     chunks: dict[fx.Node, fx.Node]
     out: fx.Node
+    split: fx.Node  # the first of the splits, for the note
 
 
-def _fusable(root: fx.Node, parts: list, sinks: set[fx.Node], how: str) -> _Chunked | None:
+def _fusable(root: fx.Node, parts: list, sinks: set[fx.Node], how: str, order: dict[fx.Node, int]) -> _Chunked | None:
     """The rewrite of ``parts``, the results of chunks that went through the same ops combined by
     ``sinks`` into ``root``: concatenated along the rows (``how`` "concatenated": every op
     row-local) or added (``how`` "summed": the last op sums what row-local ops made), or None."""
     if len(parts) < 2 or not all(isinstance(p, fx.Node) for p in parts):
         return None
-    cones = [_cone(p, i, sinks) for i, p in enumerate(parts)]
+    cones = [_cone(p, i, sinks, order) for i, p in enumerate(parts)]
     if any(c is None for c in cones):
         return None
     (ops0, chunks0), out0 = cones[0], parts[0]
@@ -232,24 +234,22 @@ def _fusable(root: fx.Node, parts: list, sinks: set[fx.Node], how: str) -> _Chun
     elif out0 not in ops0:
         return None
     doomed = {*sinks, *splits, *(nd for ops, chunks in cones for nd in (*ops, *chunks))}
-    return _Chunked(root, how, frozenset(doomed), ops0, chunks0, out0)
+    first = min(splits, key=order.__getitem__)
+    return _Chunked(root, how, frozenset(doomed), ops0, chunks0, out0, first)
 
 
 def _additions(root: fx.Node) -> tuple[list, set[fx.Node]] | None:
     """(the terms, the additions) of a sum of terms ``root`` ends, a leading 0 dropped (Python's
     ``sum`` and a loop's ``loss = 0`` start there), or None."""
-    terms, adds = [], set()
-
-    def walk(nd):
+    terms, adds, todo = [], set(), [root]
+    while todo:  # left to right, without recursion: a loss over 1000 chunks adds 1000 terms
+        nd = todo.pop()
         inner = nd is root or isinstance(nd, fx.Node) and len(nd.users) == 1
         if inner and isinstance(nd, fx.Node) and _target(nd) in _ADDS and len(nd.args) == 2 and not nd.kwargs:
             adds.add(nd)
-            walk(nd.args[0])
-            walk(nd.args[1])
+            todo += [nd.args[1], nd.args[0]]
         else:
             terms.append(nd)
-
-    walk(root)
     if terms and isinstance(terms[0], (int, float)) and terms[0] == 0:
         terms = terms[1:]
     return (terms, adds) if len(adds) >= 1 and all(isinstance(t, fx.Node) for t in terms) else None
@@ -257,13 +257,14 @@ def _additions(root: fx.Node) -> tuple[list, set[fx.Node]] | None:
 
 def _found(gm: fx.GraphModule) -> list[_Chunked]:
     out, taken = [], set()
+    order = {nd: i for i, nd in enumerate(gm.graph.nodes)}
     for nd in reversed(gm.graph.nodes):
         if nd in taken or nd.op != "call_function" and nd.op != "call_method":
             continue
         if nd.target in _CATS and nd.args and isinstance(nd.args[0], (list, tuple)):
-            found = _fusable(nd, list(nd.args[0]), {nd}, "concatenated")
+            found = _fusable(nd, list(nd.args[0]), {nd}, "concatenated", order)
         elif _target(nd) in _ADDS and (summed := _additions(nd)) is not None:
-            found = _fusable(nd, summed[0], summed[1], "summed")
+            found = _fusable(nd, summed[0], summed[1], "summed", order)
         else:
             continue
         if found is not None:
@@ -273,12 +274,9 @@ def _found(gm: fx.GraphModule) -> list[_Chunked]:
 
 
 def _describe(c: _Chunked) -> str:
-    order = {nd: i for i, nd in enumerate(c.root.graph.nodes)}
-    split = min(c.chunks.values(), key=order.__getitem__)
     names = ", ".join(dict.fromkeys(getattr(_target(nd), "__name__", str(_target(nd))) for nd in c.ops))
-    parts = len(split.users)
     return (
-        f"chunked along the sequence at {source_line(split)}: {parts} chunks, each through {names}, "
+        f"chunked along the sequence at {source_line(c.split)}: {len(c.split.users)} chunks, each through {names}, "
         f"{c.how}: run as one on the whole tensor (the chunks gather nothing)"
     )
 

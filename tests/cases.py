@@ -467,10 +467,9 @@ SHIFTS = {
 }
 
 
-def shift_exactness(kind: str, b: int, L: int) -> dict:
-    """An embedding, a linear layer, ``SHIFTS[kind]`` along the sequence, a head and a
-    cross-entropy: loss and gradients against one device, and the plan's collectives as
-    (kind, source placement)."""
+def _shift_model(kind: str):
+    """(modules, loss function of (modules, ids)) of ``SHIFTS[kind]``: an embedding, a linear
+    layer, the shift along the sequence, a head and a cross-entropy (a vocabulary of 64)."""
     torch.manual_seed(0)
     nn = torch.nn
     model = nn.ModuleList(
@@ -482,13 +481,21 @@ def shift_exactness(kind: str, b: int, L: int) -> dict:
             nn.Conv1d(16, 16, 3, padding=2, dilation=2),
         ]
     )
-    ref = copy.deepcopy(model)
-    ids = torch.randint(0, 64, (b, L), generator=torch.Generator().manual_seed(1))
 
     def fn(m, ids):
         h, targets = SHIFTS[kind](m[1](m[0](ids)), ids, m)
         return torch.nn.functional.cross_entropy(m[2](h).flatten(0, 1), targets.flatten())
 
+    return model, fn
+
+
+def shift_exactness(kind: str, b: int, L: int) -> dict:
+    """An embedding, a linear layer, ``SHIFTS[kind]`` along the sequence, a head and a
+    cross-entropy: loss and gradients against one device, and the plan's collectives as
+    (kind, source placement)."""
+    model, fn = _shift_model(kind)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (b, L), generator=torch.Generator().manual_seed(1))
     loss, err, step, flops = _against_one_device(model, ref, fn, ids)
     return {
         "loss": loss,
@@ -1507,6 +1514,20 @@ def _compiles() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+def _peer_model(name: str):
+    import peer_models
+
+    return (*peer_models.BUILDERS[name](), peer_models.VOCAB)
+
+
+# ``many_lengths`` kinds by prefix: a shift along the sequence of ``SHIFTS`` ("shift:conv1d_causal"),
+# a model of a peer library ("peer_litgpt_llama3_2"): (model, vocab, loss function)
+_PREFIXED = {
+    "shift:": lambda name: (lambda model, fn: (model, 64, fn))(*_shift_model(name)),
+    "peer_": lambda name: (lambda model, fn, vocab: (model, vocab, fn))(*_peer_model(name)),
+}
+
+
 def _lengths_model(kind: str):
     """(model, vocab, loss function) of a ``many_lengths`` kind."""
     torch.manual_seed(0)
@@ -1546,11 +1567,9 @@ def _lengths_model(kind: str):
 
         def fn(m, ids):
             return m(input_ids=ids, labels=ids).loss
-    elif kind.startswith("peer_"):  # a model of a peer library and its loss (``peer_models``)
-        import peer_models
-
-        model, fn = peer_models.BUILDERS[kind[5:]]()
-        vocab = peer_models.VOCAB
+    elif kind.startswith(tuple(_PREFIXED)):  # a model of ``SHIFTS`` or ``peer_models`` and its loss
+        prefix = next(p for p in _PREFIXED if kind.startswith(p))
+        model, vocab, fn = _PREFIXED[prefix](kind.removeprefix(prefix))
     elif kind.endswith(("_chunked_loss", "_summed_chunks")):  # a model of MODELS, its loss over 4 chunks
         # of the rows: concatenated per-row losses, or a loop adding per-chunk sums
         summed = kind.endswith("_summed_chunks")

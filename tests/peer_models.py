@@ -513,6 +513,26 @@ def build_litgpt(variant: str = "llama3_2", seed: int = 0, chunk_size: int = 128
     return model, loss_fn
 
 
+def build_litgpt_head_chunks(variant: str = "llama3_2", seed: int = 0, lm_head_chunk_size: int = 16):
+    """litgpt's model with its head in chunks of the sequence, and the loss litgpt/finetune/lora.py
+    writes for it: ``model(ids, lm_head_chunk_size=128)`` returns a list of logits chunks, the
+    last cut by one row, then ``chunked_cross_entropy(logits, targets[..., 1:])``."""
+    import litgpt
+    from litgpt.utils import chunked_cross_entropy
+
+    torch.manual_seed(seed)
+    model = litgpt.GPT(litgpt_config(variant))
+    model.apply(model._init_weights)
+    model.train()
+
+    def loss_fn(model, ids):
+        logits = model(ids, lm_head_chunk_size=lm_head_chunk_size)
+        logits[-1] = logits[-1][..., :-1, :]
+        return chunked_cross_entropy(logits, ids[..., 1:])
+
+    return model, loss_fn
+
+
 def build_litgpt_llama3_2(**kw):
     return build_litgpt("llama3_2", **kw)
 
@@ -627,5 +647,7 @@ BUILDERS = {
     "litgpt_mixtral": build_litgpt_mixtral,
     # litgpt's chunked loss in chunks shorter than the sequence: a split along it
     "litgpt_llama3_2_chunk16": lambda **kw: build_litgpt_llama3_2(chunk_size=16, **kw),
+    # its head in 16-row chunks, the last cut by one (litgpt/finetune/lora.py's form)
+    "litgpt_llama3_2_head_chunks": build_litgpt_head_chunks,
     **{f"x_transformers_{v}": globals()[f"build_x_transformers_{v}"] for v in _XT_VARIANTS},
 }

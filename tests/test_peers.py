@@ -171,6 +171,32 @@ def test_peer_plan_sends_ulysses_bytes_or_explains_the_rest(fake_world, name, wo
     assert all(c.beyond in note for c in beyond), note
 
 
+@pytest.mark.parametrize("name", _params(["litgpt_llama3_2_head_chunks"]))
+def test_litgpt_head_in_chunks_gathers_the_hidden_state_once_and_explain_says_why(fake_world, name):
+    """litgpt's LoRA recipe runs its head in 128-row chunks of the sequence
+    (``lm_head_chunk_size``) and cuts the last chunk by one row for the shift. The chunks' ops
+    differ (the slice of the last), so ``autosp.backend._unchunk`` leaves them, and the split
+    gathers the final hidden state (B x S x d, once, forward; not the logits). Pinned here with
+    ``explain``'s reason (the split, litgpt's line, the fix), so a rule that removes it shows up as
+    this test failing. Plan tier, 4 ranks, 64 tokens."""
+    import peer_models
+    import torch
+
+    import autosp
+
+    fake_world(4)
+    model, fn = peer_models.BUILDERS[name]()
+    with autosp.mesh(sp=4):
+        step = autosp.shard(lambda ids: fn(model, ids), compiler="aot_eager", dynamic=False)
+        plan = autosp.explain(step, torch.randint(0, peer_models.VOCAB, (1, 64)))
+    gathers = [c for c in plan.collectives if c.kind == "all_gather"]
+    assert [(c.shape, c.op) for c in gathers] == [((1, 64, 64), "aten.split.Tensor")], str(plan)
+    assert re.search(r"litgpt/model\.py:\d+", gathers[0].source), gathers[0].source
+    note = next(x for x in plan.notes if "is all-gathered for aten.split.Tensor" in x)
+    assert "a split along the sequence into chunks" in note and "on the whole tensor is the fix" in note, note
+    assert [c.kind for c in plan.beyond_ulysses] == ["all_gather"], str(plan)
+
+
 @pytest.mark.parametrize("name", _params(["torchtitan_qwen3_moe"]))
 def test_torchtitan_moe_unmarked_is_refused_naming_its_line_its_module_and_token_local(fake_world, name):
     """Unmarked, torchtitan's MoE dispatch reaches its custom op ``deterministic_scatter_add`` with

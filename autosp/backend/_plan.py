@@ -451,6 +451,15 @@ def _gather_notes(colls: list[Collective]) -> list[str]:
                 f"{what}: the step returns it (made by {c.op} at {c.source}), whole on every rank as "
                 "one device returns it; returning a reduction of it (a sum, a mean) keeps it split"
             )
+        if c.op.startswith(("aten.split", "aten.chunk", "aten.unsafe_split")):
+            return (
+                f"{what} for {c.op} at {c.source}: a split along the sequence into chunks (a head or loss "
+                "computed chunk by chunk) puts each chunk's rows on several ranks. autosp runs the chunks as "
+                "one where each goes through the same row-local ops and they are concatenated or summed; "
+                "these are not (ops that differ by chunk, such as a slice of the last one, or a chunk read "
+                "elsewhere), so computing it on the whole tensor is the fix (the checkpointing pass tiles a "
+                "loss by memory), or autosp.annotate(x, 'R') to make the gather explicit"
+            )
         return (
             f"{what} for {c.op} at {c.source}: no exact strategy of that op keeps it {c.src} (it reads the "
             "sharded dim whole: e.g. x.max(dim), a product or a flip along the sequence, or an op without a "

@@ -10,11 +10,11 @@ import functools
 
 import torch
 import torch.distributed._functional_collectives as funcol
-from torch import sym_max, sym_min
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
 from .._context import Kernel
 from .._graph import known_alike, out_vals, retraced
+from .._lengths import arithmetic, plain
 from ..propagate._placement import chunks, offsets, shard_spec
 from ..propagate._shift import (
     Window,
@@ -40,8 +40,8 @@ def _rows(x: torch.Tensor, d: int, size_in: int, pieces, n: int, rank: int, grou
     ``_dynamic_reshape_indexer``, a logits shift's backward on 2 ranks at 64 tokens)."""
     start = offsets(chunks(size_in, n))[rank]
     if not any(r != q for r, q, _, _ in pieces):
-        return [x.narrow(d, a - start, k) for r, q, a, k in pieces if q == rank]
-    send = [(q, x.narrow(d, a - start, k).movedim(d, 0)) for r, q, a, k in pieces if r == rank and q != rank]
+        return [x.narrow(d, plain(a - start), k) for r, q, a, k in pieces if q == rank]
+    send = [(q, x.narrow(d, plain(a - start), k).movedim(d, 0)) for r, q, a, k in pieces if r == rank and q != rank]
     send_sizes, recv_sizes = [0] * n, [0] * n
     for q, t in send:
         send_sizes[q] = t.shape[0]
@@ -51,7 +51,7 @@ def _rows(x: torch.Tensor, d: int, size_in: int, pieces, n: int, rank: int, grou
     buf = torch.cat([t for _, t in send]) if send else x.narrow(d, 0, 0).movedim(d, 0).contiguous()
     y = funcol.all_to_all_single(buf, recv_sizes, send_sizes, group)
     got = {r: t.movedim(0, d) for r, t in enumerate(y.split(recv_sizes))}
-    parts = [x.narrow(d, a - start, k) if r == rank else got[r] for r, q, a, k in pieces if q == rank]
+    parts = [x.narrow(d, plain(a - start), k) if r == rank else got[r] for r, q, a, k in pieces if q == rank]
     if not any(q == rank and r != rank for r, q, _, _ in pieces):
         # the exchange's result must be read, or it is dead code on this rank only
         parts.append(y.narrow(0, 0, 0).movedim(0, d))
@@ -81,11 +81,15 @@ def shifted(x: torch.Tensor, w: Window, n: int, rank: int, group) -> torch.Tenso
     """This rank's output rows of window ``w``, from ``x``, its rows of the input."""
     d, shape = w.dim, list(x.shape)
     parts = _rows(x, d, w.size_in, halo_pieces(w, n), n, rank, group)
-    size = chunks(w.size_out, n)[rank]
+    num = arithmetic(w.size_out, w.offset, n=n)  # sizes clamped as the pieces are (``_pieces``)
+    co = [num.size(c) for c in chunks(w.size_out, n)]
+    size = co[rank]
     if w.extra:  # a rank with output rows reads ``extra`` past them
-        size = size + w.extra * sym_min(size, 1)
-    first = offsets(chunks(w.size_out, n))[rank] + w.offset  # the input row of this rank's first output row
-    before = sym_min(sym_max(-first, 0), size)
+        size = size + num.least(size, 1) * w.extra
+    first = offsets(co)[rank] + num.size(w.offset)  # the input row of this rank's first output row
+    before = num.least(num.greatest(-first, 0), size)
+    num.guard()
+    size, before = num.value(size), num.value(before)
     after = size - before - sum(p.shape[d] for p in parts)
 
     def fill(rows):

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch import sym_max, sym_min
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .._context import Kernel
-from .._graph import hint, known_alike, out_vals, tensor_inputs
+from .._graph import hint, out_vals, tensor_inputs
+from .._lengths import arithmetic
 from ._placement import P, R, chunks, offsets, shard, shard_specs
 from ._rules import cat_rule, split_rule
 from ._strategy import Sets, Strategy, dedup, rule
@@ -104,41 +104,55 @@ def window_of(node: fx.Node) -> Window | None:
     return None
 
 
-def _pieces(size_in: int, size_out: int, n: int, reads) -> list[tuple[int, int, int, int]]:
+def _pieces(size_in: int, size_out: int, n: int, reads, *sizes) -> list[tuple[int, int, int, int]]:
     """(source rank, destination rank, first input row, rows) of every piece of the input a rank
     needs for its output rows, in destination then source order (increasing rows); a rank's own
-    rows are pieces too (source == destination). ``reads(first, rows)``: the input rows
-    [lo, hi) a rank's output rows read."""
-    ci, co = chunks(size_in, n), chunks(size_out, n)
+    rows are pieces too (source == destination). ``reads(num, first, rows)``: the input rows
+    [lo, hi) a rank's output rows read, in the arithmetic ``num`` (``_lengths.arithmetic`` of the
+    sizes, ``sizes``: any other the reads use). On a symbolic length the bounds are clamped by
+    which is smaller from some length on (the compile guarded to it), so a piece's size is a plain
+    expression of the length, no ``Min``/``Max``, and a piece is dropped only where it is empty
+    at every length the compile runs (a piece empty at some is kept, an empty slice there)."""
+    num = arithmetic(size_in, size_out, *sizes, n=n)
+    size_in_ = num.size(size_in)
+    ci, co = [num.size(c) for c in chunks(size_in, n)], [num.size(c) for c in chunks(size_out, n)]
     ia, oa = offsets(ci), offsets(co)
     pieces = []
     for q in range(n):
-        if known_alike(co[q] == 0):
+        if num.empty(co[q]):
             continue
-        lo, hi = reads(oa[q], co[q])
-        lo, hi = sym_max(lo, 0), sym_min(hi, size_in)
+        lo, hi = reads(num, oa[q], co[q])
+        lo, hi = num.greatest(lo, 0), num.least(hi, size_in_)
         for r in range(n):  # source: input rows ia[r] .. ia[r] + ci[r]
-            # clamped into the source's rows, so a piece empty at some lengths is still a valid
-            # (empty) slice: on a symbolic length a piece is dropped only where it is empty at
-            # every length (comparing the bounds would guard the compile to this length's pieces)
             end = ia[r] + ci[r]
-            a = sym_min(sym_max(lo, ia[r]), end)
-            rows = sym_max(sym_min(hi, end) - a, 0)
-            if not known_alike(rows <= 0):
+            a = num.least(num.greatest(lo, ia[r]), end)
+            rows = num.greatest(num.least(hi, end) - a, 0)
+            if not num.empty(rows):
                 pieces.append((r, q, a, rows))
-    return pieces
+    num.guard()
+    return [(r, q, num.value(a), num.value(rows)) for r, q, a, rows in pieces]
 
 
 def halo_pieces(w: Window, n: int) -> list[tuple[int, int, int, int]]:
     """The pieces (``_pieces``) of window ``w``: output rows a .. b read a + offset .. b + offset
     + extra."""
-    return _pieces(w.size_in, w.size_out, n, lambda a, k: (a + w.offset, a + k + w.offset + w.extra))
+
+    def reads(num, a, k):
+        offset = num.size(w.offset)
+        return a + offset, a + k + offset + num.size(w.extra)
+
+    return _pieces(w.size_in, w.size_out, n, reads, w.offset, w.extra)
 
 
 def flip_pieces(size: int, n: int) -> list[tuple[int, int, int, int]]:
     """The pieces (``_pieces``) of a flip along a dim of ``size``: output row j is input row
     size - 1 - j, so a rank's rows come, reversed, from the mirrored ranks."""
-    return _pieces(size, size, n, lambda a, k: (size - a - k, size - a))
+
+    def reads(num, a, k):
+        s = num.size(size)
+        return s - a - k, s - a
+
+    return _pieces(size, size, n, reads)
 
 
 def _row_bytes(v, dim: int) -> float:
@@ -282,7 +296,8 @@ def unfold_windows(node: fx.Node) -> tuple[int, int, Window, Window] | None:
         dim %= max(x.ndim, 1)
         length = x.shape[dim]
     else:
-        sizes, dim, size, step = node.args[1:5]
+        # a symbolic graph's sizes are nodes: their values (SymInts, unguarded)
+        sizes, dim, size, step = fx.node.map_arg(node.args[1:5], lambda a: a.meta["val"])
         dim %= max(len(sizes), 1)
         length = sizes[dim]
     if step != 1 or size > length:

@@ -236,7 +236,9 @@ class Lengths:
         if not np.array_equal(d[2] - d[1], slope) or (slope < 0).any() or ((slope == 0) & (base < 0)).any():
             return None
         m = np.where(base >= 0, 0, -(base // np.where(slope == 0, 1, slope)))  # ceil(-base / slope)
-        start = max(int((m * self.period + self.lengths[0]).max()), self.lowest)
+        # past the longest length it fails at: in class j, P * (m_j - 1) + j
+        failing = (m - 1) * self.period + self.lengths[0]
+        start = max(int(failing[m > 0].max()) + 1 if (m > 0).any() else 0, self.lowest)
         return start if self.hint is not None and start <= self.hint else None
 
 

@@ -139,9 +139,10 @@ def halo_pieces(w: Window, n: int) -> list[tuple[int, int, int, int]]:
 
     def reads(num, a, k):
         offset = num.size(w.offset)
-        return a + offset, a + k + offset + num.size(w.extra)
+        # a rank with no output rows reads nothing, not the ``extra`` past them
+        return a + offset, a + k + offset + num.least(k, 1) * w.extra
 
-    return _pieces(w.size_in, w.size_out, n, reads, w.offset, w.extra)
+    return _pieces(w.size_in, w.size_out, n, reads, w.offset)
 
 
 def flip_pieces(size: int, n: int) -> list[tuple[int, int, int, int]]:

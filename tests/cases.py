@@ -1669,6 +1669,26 @@ def many_lengths(
     }
 
 
+def traced_ranks(kind: str, lengths: list[int]) -> dict:
+    """``many_lengths(kind, lengths)`` on a symbolic length, counting the per-rank graphs this
+    process traced (``localize`` calls, by the rank each was for): with ``rank_graph``, its own
+    alone."""
+    from autosp.backend import _backend
+
+    traced, localize = [], _backend.localize
+
+    def counting(graph, choice, inputs, ctx, **kw):
+        traced.append(ctx.rank)
+        return localize(graph, choice, inputs, ctx, **kw)
+
+    _backend.localize = counting
+    try:
+        r = many_lengths(kind, lengths)
+    finally:
+        _backend.localize = localize
+    return {"traced": traced, "rank": dist.get_rank(), **r}
+
+
 def hang_on_rank(rank: int) -> str:
     """Rank ``rank`` never answers (sleeps for an hour); the others return at once."""
     import time

@@ -39,9 +39,9 @@ from ..partition import (
     replicate_kv_heads,
 )
 from ..propagate import propagate, solve
-from ._checks import any_rank, check_same_plan, check_same_schedule, cse_alike, largest_peaks, smallest_over_ranks
+from ._checks import any_rank, check_same_plan, check_same_schedule, largest_peaks, smallest_over_ranks
 from ._plan import Plan, build_plan, timing_line
-from ._symbolic import every_rank_graphs, guard_budget_lengths, guard_even_shards, hinted, is_symbolic, lengths_note
+from ._symbolic import guard_budget_lengths, guard_even_shards, hinted, is_symbolic, lengths_note, rank_graph
 from ._unchunk import unchunk
 
 __all__ = ["make_backend", "DECOMPOSITIONS", "CALL_STARTED"]
@@ -184,10 +184,8 @@ def _localizer(graph: fx.GraphModule, inputs, outputs: int, planned, to_graph, c
     """(per_rank, tiling, guard_tiles) for ``graph``, solved as ``choice`` on ``planned`` (its
     hinted copy, ``to_graph`` mapping its nodes to ``graph``'s; None: no tiling, as for a forward
     only). ``per_rank(tiled=False)`` localizes ``graph`` for this rank, in ``tiling``'s tiles if
-    ``tiled``; with a symbolic length it traces every rank's graph, each in its own tiles (its
-    rows are its own), for their guards (``every_rank_graphs``), and keeps this rank's, its
-    common subexpressions merged where every rank's graph merges the same collectives
-    (``cse_alike``)."""
+    ``tiled``; with a symbolic length it takes every rank's guards too, its common subexpressions
+    merged where every rank's graph merges the same collectives (``rank_graph``)."""
     tiling, guard_tiles = (
         (None, None) if planned is None else plan_tiles(planned.graph, choice.strategy, ctx, symbolic=to_graph)
     )
@@ -204,7 +202,8 @@ def _localizer(graph: fx.GraphModule, inputs, outputs: int, planned, to_graph, c
     def per_rank(tiled: bool = False) -> fx.GraphModule:
         if to_graph is None:
             return gathers_at_first_use(trace(ctx, tiled))
-        return cse_alike(every_rank_graphs(lambda c: gathers_at_first_use(trace(c, tiled)), ctx), ctx.rank)
+        shape_env = detect_fake_mode(inputs).shape_env
+        return rank_graph(lambda c: gathers_at_first_use(trace(c, tiled)), ctx, shape_env)
 
     return per_rank, tiling, guard_tiles
 
@@ -270,7 +269,7 @@ def make_backend(
         planned, to_joint, choice, plan = _solved(joint, ctx)
         per_rank, tiling, guard_tiles = _localizer(joint, joint_inputs, num_fwd_outputs, planned, to_joint, choice, ctx)
         local = _run("localize", per_rank)
-        # a symbolic compile's per-rank graph comes merged by ``cse_alike``: the partitioner's own
+        # a symbolic compile's per-rank graph comes merged by ``rank_graph``: the partitioner's own
         # merging, rank by rank, may merge a collective on some ranks only
         with functorch_config.patch(cse=to_joint is None):
             fw, bw, ckpt = _run(

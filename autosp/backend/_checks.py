@@ -10,9 +10,11 @@ all_gather_object here hung intermittently on gloo with 2 and 4 ranks).
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import logging
 import os
+import pickle
 
 import torch.distributed as dist
 import torch.fx as fx
@@ -23,7 +25,16 @@ from ..errors import PlanError
 from ..partition._fsdp import FSDP_OPS
 from ._plan import Plan
 
-__all__ = ["check_same_plan", "check_same_schedule", "cse_alike", "largest_peaks", "smallest_over_ranks", "any_rank"]
+__all__ = [
+    "check_same_plan",
+    "check_same_schedule",
+    "cse_alike",
+    "collective_digest",
+    "largest_peaks",
+    "smallest_over_ranks",
+    "any_rank",
+    "over_ranks",
+]
 
 log = logging.getLogger("autosp")
 
@@ -56,6 +67,13 @@ def _exchange(ctx: SpContext, kind: str, value: str) -> list[str] | None:
             "ranks only): TORCH_LOGS=recompiles on each rank names the guard; please report it",
         ) from e
     return [store.get(r).decode() for r in ranks]
+
+
+def over_ranks(ctx: SpContext, kind: str, value) -> list | None:
+    """Every sp rank's ``value`` (any picklable object), in rank order (None on a single rank or
+    a fake process group): each rank calls this once per compile, at the same point."""
+    got = _exchange(ctx, kind, base64.b64encode(pickle.dumps(value)).decode())
+    return None if got is None else [pickle.loads(base64.b64decode(v)) for v in got]
 
 
 def any_rank(ctx: SpContext, kind: str, flag: bool) -> bool:
@@ -119,6 +137,11 @@ def cse_alike(graphs: list[fx.GraphModule], rank: int) -> fx.GraphModule:
         return merged[rank]
     log.info("autosp: common subexpressions merge collectives on some sp ranks only; kept unmerged")
     return graphs[rank]
+
+
+def collective_digest(graph: fx.GraphModule) -> str:
+    """A fingerprint of the collectives ``graph`` issues, in order."""
+    return hashlib.sha256(repr(_collective_order(graph)).encode()).hexdigest()
 
 
 def _collective_order(*graphs: fx.GraphModule) -> list[list[str]]:

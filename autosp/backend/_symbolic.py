@@ -18,19 +18,32 @@ backend read it differently:
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 
 import sympy
 import torch
 import torch.fx as fx
+from torch._functorch.compile_utils import fx_graph_cse
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils._sympy.numbers import int_oo
 
 from .._graph import SYM_TYPES, hint, out_vals, tensor_inputs
 from ..propagate._placement import shard_spec
+from ._checks import collective_digest, cse_alike, over_ranks
 
-__all__ = ["is_symbolic", "hinted", "lengths_note", "guard_even_shards", "every_rank_graphs", "guard_budget_lengths"]
+log = logging.getLogger("autosp")
+
+__all__ = [
+    "is_symbolic",
+    "hinted",
+    "lengths_note",
+    "guard_even_shards",
+    "rank_graph",
+    "every_rank_graphs",
+    "guard_budget_lengths",
+]
 
 
 def _symbolic_value(v) -> bool:
@@ -113,6 +126,39 @@ def guard_even_shards(strategy: dict, n: int) -> None:
             size, blocks = v.shape[spec[0]], spec[1] * n
             if hint(size) % blocks == 0:
                 torch._check(size % blocks == 0)
+
+
+def rank_graph(trace: Callable, ctx, shape_env) -> fx.GraphModule:
+    """This rank's per-rank graph on a symbolic length (``trace(ctx)``), traced once, with every
+    rank's guards. Each rank traces its own graph, then the ranks exchange the guards their traces
+    added (sympy expressions of the shared length symbols, true at the shared hint) and each adds
+    the others', so the ranks compile at the same lengths (``every_rank_graphs``' reason) without
+    every rank tracing every rank's graph (n traces a rank, n^2 in the job: 30 of 47 s of an 8-rank
+    compile, ``benchmarks/compile_time.py``). The ranks' graphs must still issue the same
+    collectives: each rank's graph is kept with its common subexpressions merged where every rank's
+    merged graph issues the same collectives, else unmerged (``cse_alike``'s rule); where neither
+    agrees (a choice one rank's trace made from a guard another's did not add), every rank falls
+    back to tracing every rank's graph in the same order. On a fake process group (``explain``,
+    the plan tests) there are no other ranks to exchange with: this rank's graph and guards."""
+    start = len(shape_env.guards)
+    mine = trace(ctx)
+    merged = fx.GraphModule(mine, fx_graph_cse(mine.graph))
+    digests = (collective_digest(merged), collective_digest(mine))
+    got = over_ranks(ctx, "rank graphs", ([g.expr for g in shape_env.guards[start:]], digests))
+    if got is None:
+        return merged
+    if len({d[0] for _, d in got}) == 1:
+        graph = merged
+    elif len({d[1] for _, d in got}) == 1:
+        graph = mine
+    else:
+        log.info("autosp: the sp ranks' per-rank graphs, traced once each, issue different collectives; tracing all")
+        return cse_alike(every_rank_graphs(trace, ctx), ctx.rank)
+    for rank, (guards, _) in enumerate(got):
+        for expr in guards if rank != ctx.rank else ():
+            if shape_env._maybe_evaluate_static(expr) is None:  # not known already: a guard
+                shape_env.evaluate_expr(expr)
+    return graph
 
 
 def every_rank_graphs(trace: Callable, ctx) -> list:

@@ -81,6 +81,57 @@ def test_a_sum_of_per_chunk_sums_runs_as_one_sum(fn):
     assert torch.allclose(y, y_ref, rtol=1e-6, atol=0) and torch.equal(g, g_ref)
 
 
+def _head_in_chunks(hidden, labels, weight, cut_chunk=-1):
+    """litgpt's LoRA recipe: its head in chunks of the sequence (``lm_head_chunk_size``), the last
+    cut by one row for the shift, then ``chunked_cross_entropy`` of the list."""
+    logits = [F.linear(x, weight) for x in hidden.split(16, dim=1)]
+    logits[cut_chunk] = logits[cut_chunk][..., :-1, :]
+    targets = labels[..., 1:]
+    chunks = [x.reshape(-1, x.size(-1)) for x in logits]
+    ys = [y.reshape(-1) for y in targets.split(logits[0].size(1), dim=1)]
+    losses = [F.cross_entropy(x, y, ignore_index=-100, reduction="none") for x, y in zip(chunks, ys)]
+    return torch.cat(losses).sum() / (targets != -100).sum()
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_head_in_chunks_with_the_last_cut_runs_as_one(batch):
+    """The head's chunks (a linear layer each), the last cut by a row, flattened and through a
+    per-row loss with the targets' chunks, concatenated and summed: the head and the loss on the
+    whole hidden state, cut once (a batch of two flattened per chunk puts the rows in another
+    order, which the sum does not read). Within float rounding of the chunked loss."""
+    hidden, labels, weight = torch.randn(batch, 40, 8), torch.randint(0, 24, (batch, 40)), torch.randn(24, 8)
+    notes, targets, ((y, g), (y_ref, g_ref)) = _captured(_head_in_chunks, hidden, labels, weight)
+    assert len(notes) == 1 and "the last cut short" in notes[0] and "linear" in notes[0], notes
+    assert not {"split", "chunk", torch.split, torch.chunk, torch.cat} & set(targets), targets
+    assert torch.allclose(y, y_ref, rtol=1e-6, atol=0) and torch.allclose(g, g_ref, rtol=1e-5, atol=1e-7)
+
+
+def _head_in_chunks_mean(hidden, labels, weight):  # the per-row losses of a batch of two kept in order
+    logits = [F.linear(x, weight) for x in hidden.split(16, dim=1)]
+    ys = labels.split(16, dim=1)
+    losses = [F.cross_entropy(x.reshape(-1, 24), y.reshape(-1), reduction="none") for x, y in zip(logits, ys)]
+    return (torch.cat(losses) * torch.arange(80.0)).sum()
+
+
+@pytest.mark.parametrize("fn", [_head_in_chunks_mean, lambda h, y, w: _cut_first(h, y, w)])
+def test_a_head_in_chunks_is_left_alone_where_row_order_matters_or_a_cut_is_elsewhere(fn):
+    """Flattening a batch of two interleaves the chunks' rows: the concatenation is in another
+    order than the whole's, which a weight per row reads (only a sum may take it); a cut of a chunk
+    other than the last is no cut of the whole."""
+    hidden, labels, weight = torch.randn(2, 40, 8), torch.randint(0, 24, (2, 40)), torch.randn(24, 8)
+    notes, targets, ((y, _), (y_ref, _)) = _captured(fn, hidden, labels, weight)
+    assert notes == () and ("split" in targets or torch.split in targets), targets
+    assert torch.equal(y, y_ref)
+
+
+def _cut_first(hidden, labels, weight):  # the first chunk cut, its targets the labels' first 15
+    logits = [F.linear(x, weight) for x in hidden.split(16, dim=1)]
+    logits[0] = logits[0][..., :-1, :]
+    ys = labels[..., 1:].split([15, 16, 8], dim=1)
+    losses = [F.cross_entropy(x.reshape(-1, 24), y.reshape(-1), reduction="none") for x, y in zip(logits, ys)]
+    return torch.cat(losses).sum()
+
+
 def _weighted_sums(logits, labels):  # each chunk's sum weighed by its index: the chunks' ops differ
     pairs = enumerate(zip(logits.split(16), labels.split(16)))
     return sum((i + 1) * F.cross_entropy(x, y, reduction="sum") for i, (x, y) in pairs)

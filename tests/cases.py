@@ -1514,16 +1514,53 @@ def _compiles() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+def _chunked_loss(logits, labels):  # per-row losses of 4 chunks, concatenated
+    pairs = zip(torch.chunk(logits.reshape(-1, logits.shape[-1]), 4), torch.chunk(labels.reshape(-1), 4))
+    return torch.cat([torch.nn.functional.cross_entropy(x.float(), y, reduction="none") for x, y in pairs]).mean()
+
+
+def _summed_chunks(logits, labels):  # a loop adding per-chunk sums
+    loss = 0
+    for x, y in zip(torch.chunk(logits.reshape(-1, logits.shape[-1]), 4), torch.chunk(labels.reshape(-1), 4)):
+        loss = loss + torch.nn.functional.cross_entropy(x, y, reduction="sum")
+    return loss / labels.numel()
+
+
+def _torchtune_chunks(logits, labels):  # torchtune's CEWithChunkedOutputLoss: chunks along the sequence
+    total = 0.0
+    for x, y in zip(logits.chunk(4, dim=1), labels.chunk(4, dim=1)):
+        total += torch.nn.functional.cross_entropy(x.reshape(-1, x.size(-1)).float(), y.reshape(-1), reduction="sum")
+    return total / labels.numel()
+
+
+# ``many_lengths`` kinds "<a model of MODELS><suffix>": its logits-shift loss over 4 chunks of the rows
+_CHUNKED_LOSSES = {
+    "_chunked_loss": _chunked_loss,
+    "_summed_chunks": _summed_chunks,
+    "_torchtune_chunks": _torchtune_chunks,
+}
+
+
 def _peer_model(name: str):
     import peer_models
 
     return (*peer_models.BUILDERS[name](), peer_models.VOCAB)
 
 
+def _reduction_model(name: str):
+    """(model, vocab, loss function) of ``REDUCTIONS[name]`` over an embedding and a linear layer
+    (``reduction_exactness``'s)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 16, bias=False))
+    return model, 4 if name.endswith("_ties") else 64, lambda m, ids: REDUCTIONS[name](m(ids))
+
+
 # ``many_lengths`` kinds by prefix: a shift along the sequence of ``SHIFTS`` ("shift:conv1d_causal"),
-# a model of a peer library ("peer_litgpt_llama3_2"): (model, vocab, loss function)
+# a reduction of ``REDUCTIONS`` ("reduction:amax_seq"), a model of a peer library
+# ("peer_litgpt_llama3_2"): (model, vocab, loss function)
 _PREFIXED = {
     "shift:": lambda name: (lambda model, fn: (model, 64, fn))(*_shift_model(name)),
+    "reduction:": _reduction_model,
     "peer_": lambda name: (lambda model, fn, vocab: (model, vocab, fn))(*_peer_model(name)),
 }
 
@@ -1570,21 +1607,12 @@ def _lengths_model(kind: str):
     elif kind.startswith(tuple(_PREFIXED)):  # a model of ``SHIFTS`` or ``peer_models`` and its loss
         prefix = next(p for p in _PREFIXED if kind.startswith(p))
         model, vocab, fn = _PREFIXED[prefix](kind.removeprefix(prefix))
-    elif kind.endswith(("_chunked_loss", "_summed_chunks")):  # a model of MODELS, its loss over 4 chunks
-        # of the rows: concatenated per-row losses, or a loop adding per-chunk sums
-        summed = kind.endswith("_summed_chunks")
-        model, vocab = MODELS[kind.removesuffix("_summed_chunks" if summed else "_chunked_loss")](), 256
+    elif kind.endswith(tuple(_CHUNKED_LOSSES)):  # a model of MODELS, its loss over 4 chunks of the rows
+        suffix = next(x for x in _CHUNKED_LOSSES if kind.endswith(x))
+        model, vocab = MODELS[kind.removesuffix(suffix)](), 256
 
         def fn(m, ids):
-            logits, labels = m(ids)[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1)
-            pairs = zip(torch.chunk(logits, 4), torch.chunk(labels, 4))
-            if summed:
-                loss = 0
-                for x, y in pairs:
-                    loss = loss + torch.nn.functional.cross_entropy(x, y, reduction="sum")
-                return loss / labels.numel()
-            losses = [torch.nn.functional.cross_entropy(x.float(), y, reduction="none") for x, y in pairs]
-            return torch.cat(losses).mean()
+            return _CHUNKED_LOSSES[suffix](m(ids)[:, :-1], ids[:, 1:])
     elif kind.endswith("_shift_logits"):  # a model of MODELS, the loss shifting its logits
         model, vocab = MODELS[kind.removesuffix("_shift_logits")](), 256
 

@@ -61,6 +61,20 @@ def test_shifts_on_inductor_and_symbolic_lengths_are_exact_and_split(pools, kind
     assert_matmuls_split([{"flops": r["flops"]} for r in results], lengths[-1])
 
 
+@pytest.mark.parametrize("kind", tier(list(cases.REDUCTIONS), ["max_dim_seq"]))
+def test_reductions_on_inductor_and_symbolic_lengths_are_exact_and_split(pools, kind):
+    """Every reduction over a sequence-sharded activation (``cases.REDUCTIONS``: maxima with
+    their indices, norms, variances, products, running sums along the sequence; the fast tier:
+    a max along the sequence and its indices) at 64, 50 and 37 tokens under the defaults: loss and
+    gradients within 1e-5 of one device's, the linear layer's FLOPs split."""
+    lengths = [64, 50, 37]
+    results = pools(2).run(cases.many_lengths, f"reduction:{kind}", lengths, 8, True, None, "none", "inductor")
+    for r in results:
+        for loss, ref, err in r["steps"]:
+            assert abs(loss - ref) <= 1e-5 * max(abs(ref), 1e-6) and err <= 1e-5, r["steps"]
+    assert_matmuls_split([{"flops": r["flops"]} for r in results], lengths[-1])
+
+
 def _exact_split_and_once(results, lengths, graphs: int, world: int):
     for r in results:
         for loss, ref, err in r["steps"]:

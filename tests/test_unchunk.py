@@ -132,6 +132,29 @@ def _cut_first(hidden, labels, weight):  # the first chunk cut, its targets the 
     return torch.cat(losses).sum()
 
 
+def _torchtune_chunked_output_loss(logits, labels):
+    """torchtune's ``CEWithChunkedOutputLoss`` on logits chunked along the sequence: each chunk
+    and its labels' chunk flattened (batch and rows), a sum of losses per chunk added with ``+=``."""
+    chunks = [x.reshape(-1, x.size(-1)) for x in logits.chunk(4, dim=1)]
+    ys = [y.reshape(-1) for y in labels.chunk(4, dim=1)]
+    total = 0.0
+    for x, y in zip(chunks, ys):
+        total += F.cross_entropy(x.float(), y, ignore_index=-100, reduction="sum")
+    return total / (labels != -100).sum()
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_torchtunes_chunked_loss_runs_as_one_sum(batch):
+    """Its chunks flattened with the batch (a batch of two interleaves the chunks' rows, which a
+    sum does not read) and added with ``+=`` (``operator.iadd`` in Dynamo's graph, once not taken
+    as an addition): one sum over the whole logits, within float rounding."""
+    logits, labels = torch.randn(batch, 40, 24), torch.randint(0, 24, (batch, 40))
+    notes, targets, ((y, g), (y_ref, g_ref)) = _captured(_torchtune_chunked_output_loss, logits, labels)
+    assert len(notes) == 1 and "summed" in notes[0] and "reshape" in notes[0], notes
+    assert not {"chunk", torch.chunk} & set(targets), targets
+    assert torch.allclose(y, y_ref, rtol=1e-6, atol=0) and torch.allclose(g, g_ref, rtol=1e-6, atol=1e-9)
+
+
 def _weighted_sums(logits, labels):  # each chunk's sum weighed by its index: the chunks' ops differ
     pairs = enumerate(zip(logits.split(16), labels.split(16)))
     return sum((i + 1) * F.cross_entropy(x, y, reduction="sum") for i, (x, y) in pairs)
@@ -176,10 +199,14 @@ def test_chunks_that_are_not_row_local_are_left_as_they_are(fn):
     assert torch.equal(y, y_ref)
 
 
-@pytest.mark.parametrize("kind,how", [("llama_chunked_loss", "concatenated"), ("llama_summed_chunks", "summed")])
+@pytest.mark.parametrize(
+    "kind,how",
+    [("llama_chunked_loss", "concatenated"), ("llama_summed_chunks", "summed"), ("llama_torchtune_chunks", "summed")],
+)
 def test_a_hand_written_chunked_loss_plans_ulysses_bytes_and_gathers_nothing(fake_world, kind, how):
     """Plan tier, 4 ranks, 61 tokens: a Llama whose loss is ``torch.chunk``ed in 4 along the rows
-    (per-row losses concatenated, or a loop adding per-chunk sums) sends what a hand-written
+    (per-row losses concatenated, a loop adding per-chunk sums, or torchtune's form: chunks along
+    the sequence, flattened, added with ``+=``) sends what a hand-written
     Ulysses plan sends (it gathered the logits before), and the plan names the rewrite."""
     import cases
 
@@ -196,7 +223,7 @@ def test_a_hand_written_chunked_loss_plans_ulysses_bytes_and_gathers_nothing(fak
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["llama_chunked_loss", "llama_summed_chunks"])
+@pytest.mark.parametrize("kind", ["llama_chunked_loss", "llama_summed_chunks", "llama_torchtune_chunks"])
 def test_a_hand_written_chunked_loss_is_exact_and_split_on_two_ranks(pools, kind):
     """gloo, 2 ranks, under the defaults (Inductor, a symbolic length), 64 and 37 tokens: the loss
     and gradients within 1e-5 of one device running the chunked loss as written; nothing gathered;

@@ -70,7 +70,7 @@ _RESHAPES = {"reshape", "view", torch.reshape, "flatten", torch.flatten}
 _PER_ROW_LOSSES = {F.cross_entropy, F.nll_loss}
 _SOFTMAXES = {F.log_softmax, F.softmax, torch.log_softmax, torch.softmax, "log_softmax", "softmax"}
 _SUMS = {torch.sum, "sum"}
-_ADDS = {operator.add, torch.add, "add"}
+_ADDS = {operator.add, operator.iadd, torch.add, "add"}  # `loss += x` is iadd
 _WALKED = _ELEMENTWISE | _PER_ROW_LOSSES | _SOFTMAXES | _SUMS | _LINEAR | _RESHAPES | {operator.getitem}
 
 

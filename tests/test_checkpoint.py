@@ -12,9 +12,11 @@ from pathlib import Path
 import cases
 import pytest
 import torch
+import torch.nn.functional as F
 from _checks import tier
 
 import autosp
+from examples import models
 from examples.models import Llama, LlamaConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,6 +80,75 @@ def _rungs(fake_world, checkpoint, seq=4096, sp=2, every_rung=False):
             lambda i, y: model(i, y), compiler="aot_eager", checkpoint=checkpoint, every_rung=every_rung
         )
         return autosp.explain(step, ids, ids)
+
+
+class NamedBlocksLlama(Llama):
+    """The example Llama with its two blocks held as named attributes, called one by one: no
+    ModuleList, no index in their names."""
+
+    def __init__(self, c):
+        super().__init__(c)
+        self.first, self.second = self.blocks
+        del self.blocks
+
+    def forward(self, input_ids, labels):
+        b, t = input_ids.shape
+        positions = torch.arange(t)[None].expand(b, t)
+        cos, sin = models._rope(positions, self.c.dim // self.c.heads, self.c.rope_theta, self.embed.weight.dtype)
+        x = self.second(self.first(self.embed(input_ids), cos, sin), cos, sin)
+        logits = self.lm_head(self.norm(x)).float()
+        shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), shifted.reshape(-1), ignore_index=-100)
+
+
+@pytest.mark.parametrize("checkpoint", ["full", "auto"])
+def test_blocks_held_as_named_attributes_get_the_checkpointing_of_a_module_list(fake_world, checkpoint):
+    """Layers are found from the module tree whatever they are called: two blocks of one class
+    held as ``self.first`` and ``self.second`` get the rungs, the regions and the predicted peaks
+    of the same blocks in a ModuleList. Before, only a module reached by indexing a container was
+    a layer, and ``checkpoint="full"`` on the named twin ran as "none" without a word. Plan tier,
+    2 ranks, 1024 tokens, the same weights."""
+    fake_world(2)
+    ids = torch.randint(0, 256, (1, 1024))
+    plans = []
+    for cls in (Llama, NamedBlocksLlama):
+        torch.manual_seed(0)
+        model = cls(LlamaConfig(**{**SMALL, "layers": 2}))
+        with autosp.mesh(sp=2):
+            step = autosp.shard(
+                lambda i, y, m=model: m(i, y), compiler="aot_eager", checkpoint=checkpoint, every_rung=True
+            )
+            plans.append(autosp.explain(step, ids, ids).checkpoint)
+    listed, named = plans
+    assert [(r.name, r.memory.peak) for r in named.rungs] == [(r.name, r.memory.peak) for r in listed.rungs]
+    assert named.chosen == listed.chosen and len(listed.rungs) > 1, listed
+    assert named.rungs[-1].memory.saved < named.rungs[0].memory.saved / 2, [r.name for r in named.rungs]
+
+
+class _Flat(torch.nn.Module):
+    """An embedding and two linear layers held as attributes: leaves, no block."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.up, self.head = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 32), torch.nn.Linear(32, 64)
+
+    def forward(self, ids):
+        return self.head(torch.relu(self.up(self.embed(ids))))
+
+
+def test_checkpointing_a_model_without_repeated_blocks_says_so(fake_world):
+    """``checkpoint="full"`` on a model with no repeated blocks (an embedding and two linear
+    layers of different shapes) has nothing to recompute: the plan says so, and why, rather than
+    running as "none" without a word."""
+    fake_world(2)
+    torch.manual_seed(0)
+    model = _Flat()
+    with autosp.mesh(sp=2):
+        step = autosp.shard(
+            lambda i: F.cross_entropy(model(i).flatten(0, 1), i.flatten()), compiler="aot_eager", checkpoint="full"
+        )
+        plan = autosp.explain(step, torch.randint(0, 64, (1, 64)))
+    assert "no repeated blocks found" in plan.checkpoint.note and plan.checkpoint.note in str(plan), str(plan)
 
 
 _AUTO: list = []

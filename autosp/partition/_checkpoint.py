@@ -34,6 +34,7 @@ one:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import operator
 import re
@@ -73,6 +74,7 @@ _UNREAD = (TypeError, ValueError, ZeroDivisionError)
 RUNGS = 5  # rungs between "none" and "full", at quantiles of the ops' cost per byte
 
 aten = torch.ops.aten
+log = logging.getLogger("autosp")
 # a module reached by indexing a container: "model.layers.3", "L['self'].model.layers[3]",
 # "getattr(L['fsdp'].tops[0].blocks, '3')" (how Dynamo names it under a swapped-parameter call)
 _LAYER = re.compile(r"(?:\.\d+|\[\d+\]|, '\d+'\))$")
@@ -148,6 +150,8 @@ class Checkpoint:
     # a budget on a symbolic length: (the length's symbol, lo, hi), the lengths at which the
     # rung taken is the one the budget takes (None: no bound that side); the caller guards them
     lengths: tuple | None = None
+    # why the rungs are fewer than the policy asks for (no repeated blocks found), or ""
+    note: str = ""
 
     @property
     def chosen(self) -> str:
@@ -170,7 +174,9 @@ class Checkpoint:
         )
         longer = _longer(self.rungs) if self.policy == "auto" else None
         at = f" (weighed at {longer} tokens, for every length)" if longer else ""
-        return f"checkpoint={self.policy}: chose {self.chosen!r}{at} of [{rows}]"
+        return f"checkpoint={self.policy}: chose {self.chosen!r}{at} of [{rows}]" + (
+            f"; {self.note}" if self.note else ""
+        )
 
 
 def _longer(rungs) -> int | None:
@@ -208,12 +214,37 @@ def select(policy, rungs: list[Rung], peaks: list[int] | None = None) -> Rung:
     return fits[0]
 
 
-def _region(nd: fx.Node) -> str | None:
-    """The repeated block (an item of a ModuleList) a forward node belongs to, outermost first."""
+def _region(nd: fx.Node, blocks: set[str]) -> str | None:
+    """The repeated block a forward node belongs to, outermost first: an item of a ModuleList, or
+    one of ``blocks`` (``_repeated_blocks``)."""
     for fqn, _ in (nd.meta.get("nn_module_stack") or {}).values():
-        if _LAYER.search(fqn):
+        if _LAYER.search(fqn) or fqn in blocks:
             return fqn
     return None
+
+
+def _parent(fqn: str) -> str:
+    """The module that holds ``fqn`` as an attribute or an item, as Dynamo names them."""
+    held = re.fullmatch(r"getattr\((.*), '[^']*'\)", fqn)
+    return held.group(1) if held else re.sub(r"(?:\.\w+|\[[^\]]*\])$", "", fqn)
+
+
+def _repeated_blocks(nodes) -> set[str]:
+    """Modules that are blocks whatever they are called: two or more of one class held by the
+    same module (``self.first`` and ``self.second`` as well as a ModuleList's items), each with
+    modules of its own (not sibling leaves, such as a q and a k projection)."""
+    classes: dict[str, object] = {}
+    holders: set[str] = set()
+    for nd in nodes:
+        stack = list((nd.meta.get("nn_module_stack") or {}).values())
+        for i, (fqn, cls) in enumerate(stack):
+            classes[fqn] = cls
+            if i:
+                holders.add(stack[i - 1][0])
+    siblings: dict[tuple[str, object], list[str]] = {}
+    for fqn, cls in classes.items():
+        siblings.setdefault((_parent(fqn), str(cls)), []).append(fqn)
+    return {fqn for group in siblings.values() if len(group) > 1 for fqn in group if fqn in holders}
 
 
 def _attention_flops(nd: fx.Node, read: Callable = hint) -> float:
@@ -273,13 +304,11 @@ def _kind(nd: fx.Node) -> str:
 
 def _forward_ops(gm: fx.GraphModule) -> dict[fx.Node, str]:
     """Forward call_function nodes inside repeated blocks -> their region."""
-    out = {}
-    for nd in gm.graph.nodes:
-        if nd.op == "call_function" and nd.meta.get("partitioner_tag") == "is_forward":
-            region = _region(nd)
-            if region is not None:
-                out[nd] = region
-    return out
+    forward = [
+        nd for nd in gm.graph.nodes if nd.op == "call_function" and nd.meta.get("partitioner_tag") == "is_forward"
+    ]
+    blocks = _repeated_blocks(forward)
+    return {nd: region for nd in forward if (region := _region(nd, blocks)) is not None}
 
 
 def _head_ops(gm: fx.GraphModule, fwd: dict[fx.Node, str]) -> list[fx.Node]:
@@ -671,4 +700,11 @@ def checkpoint_partition(
     if smallest is not None and isinstance(policy, int):
         lengths = _budget_lengths(results, rung, policy, num_fwd_outputs, smallest)
     name = f"{policy} bytes" if isinstance(policy, int) else policy
-    return fw, bw, Checkpoint(name, rung, tuple(evaluated), weighs_tiles, lengths)
+    note = ""
+    if policy != "none" and len(ladder.rungs) == 1:
+        note = (
+            "no repeated blocks found (two or more modules of one class held by one module, or a container's "
+            "items), so no rung recomputes anything; checkpointing applies to layers run as such modules"
+        )
+        log.warning("autosp: checkpoint=%s: %s", name, note)
+    return fw, bw, Checkpoint(name, rung, tuple(evaluated), weighs_tiles, lengths, note)

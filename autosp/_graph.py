@@ -83,9 +83,11 @@ def retraced(x):
     chunk, ``(-s) % 16`` or ``16 * math.ceil(s / 16) - s``) built again from the symbols this
     trace tracks, which make_fx cannot always do itself (it raised "PythonMod(-s50, 16) is not
     tracked with proxy"). A rounded true division of integers is rebuilt as a floor division
-    (exact; the float one cannot be evaluated on symbols). Anything else passes through."""
+    (exact; the float one cannot be evaluated on symbols). A float of the length too (a variance's
+    gradient scales by ``2 / (S - 1)``: "FloatTrueDiv(2.0, ToFloat(s50) - 1.0) is not tracked
+    with proxy" under Inductor's symbolic lengths). Anything else passes through."""
     mode = get_proxy_mode()
-    if mode is None or not isinstance(x, torch.SymInt) or not x.node.is_symbolic():
+    if mode is None or not isinstance(x, (torch.SymInt, torch.SymFloat)) or not x.node.is_symbolic():
         return x
     x = fixed(x)
     if isinstance(x, int):

@@ -5,6 +5,7 @@ window's fill where the output reads past the input."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -30,6 +31,17 @@ from ..propagate._shift import (
 __all__ = ["shifted", "window_rows", "HALO_KERNELS"]
 
 
+def _narrow(x: torch.Tensor, d: int, start, rows) -> torch.Tensor:
+    """``x.narrow(d, start, rows)`` of a piece, without guards on its bounds: the pieces lie in
+    their source's rows at every length the compile admits (``_pieces``), and torch's shape env
+    proved some such bounds only late, then stopped in them (torch 2.13: "AssertionError:
+    Expected Lt/Le/Eq/Ne, got BooleanTrue", a reverse cumulative sum's flip on a length guarded
+    even)."""
+    sym = next((v for v in (*x.shape, start, rows) if isinstance(v, torch.SymInt)), None)
+    with sym.node.shape_env.suppress_guards() if sym is not None else contextlib.nullcontext():
+        return x.narrow(d, plain(start), rows)
+
+
 def _rows(x: torch.Tensor, d: int, size_in: int, pieces, n: int, rank: int, group) -> list[torch.Tensor]:
     """The input rows this rank's output rows read (``pieces``, of an input of ``size_in`` rows
     along ``d``), in order, from ``x`` (its rows of the input) and from the other ranks (one
@@ -40,8 +52,8 @@ def _rows(x: torch.Tensor, d: int, size_in: int, pieces, n: int, rank: int, grou
     ``_dynamic_reshape_indexer``, a logits shift's backward on 2 ranks at 64 tokens)."""
     start = offsets(chunks(size_in, n))[rank]
     if not any(r != q for r, q, _, _ in pieces):
-        return [x.narrow(d, plain(a - start), k) for r, q, a, k in pieces if q == rank]
-    send = [(q, x.narrow(d, plain(a - start), k).movedim(d, 0)) for r, q, a, k in pieces if r == rank and q != rank]
+        return [_narrow(x, d, a - start, k) for r, q, a, k in pieces if q == rank]
+    send = [(q, _narrow(x, d, a - start, k).movedim(d, 0)) for r, q, a, k in pieces if r == rank and q != rank]
     send_sizes, recv_sizes = [0] * n, [0] * n
     for q, t in send:
         send_sizes[q] = t.shape[0]
@@ -51,7 +63,7 @@ def _rows(x: torch.Tensor, d: int, size_in: int, pieces, n: int, rank: int, grou
     buf = torch.cat([t for _, t in send]) if send else x.narrow(d, 0, 0).movedim(d, 0).contiguous()
     y = funcol.all_to_all_single(buf, recv_sizes, send_sizes, group)
     got = {r: t.movedim(0, d) for r, t in enumerate(y.split(recv_sizes))}
-    parts = [x.narrow(d, plain(a - start), k) if r == rank else got[r] for r, q, a, k in pieces if q == rank]
+    parts = [_narrow(x, d, a - start, k) if r == rank else got[r] for r, q, a, k in pieces if q == rank]
     if not any(q == rank and r != rank for r, q, _, _ in pieces):
         # the exchange's result must be read, or it is dead code on this rank only
         parts.append(y.narrow(0, 0, 0).movedim(0, d))

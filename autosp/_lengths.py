@@ -110,26 +110,15 @@ class Numbers:
         pass
 
 
-class Clamped:
+class Clamped(Numbers):
     """Sizes on a symbolic length ``Lengths`` cannot read: ``sym_min``/``sym_max``, and a size is
     empty only where it is at every length (``known_alike``)."""
-
-    @staticmethod
-    def size(v):
-        return v
-
-    @staticmethod
-    def value(v):
-        return v
 
     least, greatest = staticmethod(sym_min), staticmethod(sym_max)
 
     @staticmethod
     def empty(v) -> bool:
         return known_alike(v <= 0)
-
-    def guard(self) -> None:
-        pass
 
 
 def arithmetic(*sizes, n: int):

@@ -1555,10 +1555,24 @@ def _reduction_model(name: str):
     return model, 4 if name.endswith("_ties") else 64, lambda m, ids: REDUCTIONS[name](m(ids))
 
 
+def _op_model(name: str):
+    """(model, vocab, loss function) of ``OPS[name]`` between a linear layer and a head
+    (``op_exactness``'s)."""
+    torch.manual_seed(0)
+    nn = torch.nn
+    model = nn.ModuleList([nn.Embedding(64, 16), nn.Linear(16, 16), nn.Linear(16, 64)])
+
+    def fn(m, ids):
+        return torch.nn.functional.cross_entropy(m[2](OPS[name](m[1](m[0](ids)))).flatten(0, 1), ids.flatten())
+
+    return model, 64, fn
+
+
 # ``many_lengths`` kinds by prefix: a shift along the sequence of ``SHIFTS`` ("shift:conv1d_causal"),
-# a reduction of ``REDUCTIONS`` ("reduction:amax_seq"), a model of a peer library
-# ("peer_litgpt_llama3_2"): (model, vocab, loss function)
+# a reduction of ``REDUCTIONS`` ("reduction:amax_seq"), an op of ``OPS`` ("op:orderings"), a model of
+# a peer library ("peer_litgpt_llama3_2"): (model, vocab, loss function)
 _PREFIXED = {
+    "op:": _op_model,
     "shift:": lambda name: (lambda model, fn: (model, 64, fn))(*_shift_model(name)),
     "reduction:": _reduction_model,
     "peer_": lambda name: (lambda model, fn, vocab: (model, vocab, fn))(*_peer_model(name)),

@@ -50,15 +50,21 @@ def test_shifts_on_inductor_and_symbolic_lengths_are_exact_and_split(pools, kind
     compile spent 6 min 47 s in Inductor's sympy and then stopped ("PolynomialError: Piecewise
     generators do not make sense"), the other timed out. The clamps are now resolved for every
     length past a guard (``autosp._lengths``)."""
-    lengths = [64, 50, 37]
-    # nothing recomputed, so the FLOPs are the split's alone (checkpointing has its own tests)
-    results = pools(2).run(cases.many_lengths, f"shift:{kind}", lengths, 8, True, None, "none", "inductor")
-    for r in results:
-        for loss, ref, err in r["steps"]:
-            assert abs(loss - ref) <= 1e-5 * abs(ref) and err <= 1e-5, r["steps"]
+    for r in _swept(pools, f"shift:{kind}"):
         assert r["compiled"] == 1 and r["graphs"] == (3 if kind.startswith("conv1d") else 2), (r["graphs"], r["log"])
         assert set(r["kinds"]) <= {"all_reduce", "halo"}, r["kinds"]
+
+
+def _swept(pools, kind: str, lengths=(64, 50, 37)) -> list[dict]:
+    """``many_lengths`` of ``kind`` on 2 gloo ranks under the defaults, nothing recomputed (so the
+    FLOPs are the split's alone; checkpointing has its own tests): each rank's result, every loss
+    and gradient checked against one device's and the matmuls split."""
+    results = pools(2).run(cases.many_lengths, kind, list(lengths), 8, True, None, "none", "inductor")
+    for r in results:
+        for loss, ref, err in r["steps"]:
+            assert abs(loss - ref) <= 1e-5 * max(abs(ref), 1e-6) and err <= 1e-5, r["steps"]
     assert_matmuls_split([{"flops": r["flops"]} for r in results], lengths[-1])
+    return results
 
 
 # logcumsumexp along the sequence on a symbolic length: its backward's per-rank trace makes a slice
@@ -85,12 +91,7 @@ def test_reductions_on_inductor_and_symbolic_lengths_are_exact_and_split(pools, 
     their indices, norms, variances, products, running sums along the sequence; the fast tier:
     a max along the sequence and its indices) at 64, 50 and 37 tokens under the defaults: loss and
     gradients within 1e-5 of one device's, the linear layer's FLOPs split."""
-    lengths = [64, 50, 37]
-    results = pools(2).run(cases.many_lengths, f"reduction:{kind}", lengths, 8, True, None, "none", "inductor")
-    for r in results:
-        for loss, ref, err in r["steps"]:
-            assert abs(loss - ref) <= 1e-5 * max(abs(ref), 1e-6) and err <= 1e-5, r["steps"]
-    assert_matmuls_split([{"flops": r["flops"]} for r in results], lengths[-1])
+    _swept(pools, f"reduction:{kind}")
 
 
 @pytest.mark.slow
@@ -100,12 +101,7 @@ def test_ops_on_inductor_and_symbolic_lengths_are_exact_and_split(pools, kind):
     rule with ``register_sharding``, indexed writes, activations, a per-token triangular solve)
     between a linear layer and a head, at 64, 50 and 37 tokens under the defaults: loss and
     gradients within 1e-5 of one device's, the matmuls split."""
-    lengths = [64, 50, 37]
-    results = pools(2).run(cases.many_lengths, f"op:{kind}", lengths, 8, True, None, "none", "inductor")
-    for r in results:
-        for loss, ref, err in r["steps"]:
-            assert abs(loss - ref) <= 1e-5 * max(abs(ref), 1e-6) and err <= 1e-5, r["steps"]
-    assert_matmuls_split([{"flops": r["flops"]} for r in results], lengths[-1])
+    _swept(pools, f"op:{kind}")
 
 
 def _exact_split_and_once(results, lengths, graphs: int, world: int):

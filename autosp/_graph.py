@@ -32,6 +32,7 @@ __all__ = [
     "out_bytes",
     "is_attention",
     "is_attention_backward",
+    "graph_module",
     "ATTENTION_OPS",
     "SDPA_CPU",
     "SDPA_CPU_BACKWARD",
@@ -44,6 +45,17 @@ SDPA_CPU_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.de
 # attention op -> whether it is a backward; autosp's ring attention ops (``partition._attention``)
 # register themselves here where they are defined
 ATTENTION_OPS: dict[Any, bool] = {SDPA_CPU: False, SDPA_CPU_BACKWARD: True}
+
+
+def graph_module(root, graph: fx.Graph) -> fx.GraphModule:
+    """``fx.GraphModule(root, graph)`` whose Python code is generated when first needed (torch's
+    ``_LazyGraphModule``, which Dynamo's compiles use), not at once and at every ``recompile``: the
+    planner's copies (a rung's tagged graph, each one the partitioner makes from it) are read, never
+    run, but for the one compiled. Generating a 32-layer joint graph's code took 7.4 of 63 s of a
+    profiled compile (``benchmarks/compile_time.py``, 32 layers, sp 8)."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    return _LazyGraphModule(root, graph)
 
 
 def is_attention(target) -> bool:

@@ -2,6 +2,7 @@
 every setting, no collective recomputed, budgets kept, predictions against measured RSS, and the
 ``autosp plan`` extrapolation against a full trace."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -350,6 +351,75 @@ def test_a_repeated_rung_is_shown_once():
     rows = str(ladder).split(" of [")[1]
     assert [rows.count(f"{x.name}: ") for x in r[:3]] == [1, 1, 1], str(ladder)
     assert rows.index(r[0].name) < rows.index(r[1].name) < rows.index(r[2].name)
+
+
+def _priced_against_partitioned(fake_world, seq, dynamic):
+    """The default policy ("auto": one partition, the rungs priced from it) and the same ladder
+    with every rung partitioned (``every_rung``), on the small preset over 2 ranks."""
+    plans = []
+    for every_rung in (False, True):
+        fake_world(2)
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig(**SMALL))
+        ids = torch.randint(0, 256, (1, seq))
+        with autosp.mesh(sp=2):
+            step = autosp.shard(
+                lambda i, y, m=model: m(i, y), compiler="aot_eager", dynamic=dynamic, every_rung=every_rung
+            )
+            plans.append(autosp.explain(step, ids, ids))
+    return plans
+
+
+@pytest.mark.parametrize("seq,dynamic", tier([(2048, False), (4096, True)], [(2048, False)]))
+def test_auto_prices_rungs_as_the_partitioner_makes_them(fake_world, seq, dynamic):
+    """The default policy partitions the first rung and the one it takes; the rungs between are
+    priced from the first's graphs (``_checkpoint._Priced``). Each priced rung's peak is the
+    partitioner's for that rung (every rung partitioned, ``every_rung``) to 0.1%, its saved bytes
+    to 0.5%, its recompute to 2% (measured: peaks equal, saved bytes 8-36 KiB apart of 33-143 MiB,
+    recompute 1.0% apart where the partitioner recomputes an untagged op besides), at the first
+    length and, on a symbolic length, at the longer one "auto" weighs rungs at; and "auto" takes
+    the rung it takes with every rung partitioned."""
+    from autosp.partition._checkpoint import select
+
+    priced, partitioned = _priced_against_partitioned(fake_world, seq, dynamic)
+    real = {r.name: r for r in partitioned.checkpoint.rungs}
+    shown = priced.checkpoint.rungs
+    assert any(r.priced for r in shown) and not any(r.priced for r in partitioned.checkpoint.rungs), priced
+    assert not next(r for r in shown if r.name == priced.checkpoint.chosen).priced  # partitioned
+    for r in shown:
+        q = real[r.name]
+        assert r.memory.peak == pytest.approx(q.memory.peak, rel=1e-3), (r.name, r.memory, q.memory)
+        assert r.memory.saved == pytest.approx(q.memory.saved, rel=5e-3), (r.name, r.memory, q.memory)
+        assert r.recompute == pytest.approx(q.recompute, rel=0.02), r.name
+        assert (r.longer is None) == (q.longer is None) == (not dynamic), r.name
+        if dynamic:
+            assert r.longer[0] == q.longer[0] and r.longer[1] == pytest.approx(q.longer[1], rel=1e-3), r.name
+            assert r.longer[2] == pytest.approx(q.longer[2], rel=0.02), r.name
+    assert priced.checkpoint.chosen == partitioned.checkpoint.chosen == select("auto", list(real.values())).name
+    assert "~: priced from the first rung's partition" in str(priced.checkpoint)
+
+
+def test_auto_climbs_where_the_rung_it_priced_under_the_overhead_is_over_it(fake_world, monkeypatch):
+    """A priced rung the partitioner recomputes more of than the pricing saw: "auto" partitions
+    the rung it would take, finds it past ``AUTO_OVERHEAD``, and walks the ladder partitioning
+    every rung as without pricing (here the pricing is made to miss all recompute)."""
+    from autosp.partition import _checkpoint
+
+    price = _checkpoint._Priced.__call__
+    monkeypatch.setattr(
+        _checkpoint._Priced,
+        "__call__",
+        lambda self, spec, tags: dataclasses.replace(price(self, spec, tags), recompute=0.0),
+    )
+    fake_world(2)
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(**SMALL))
+    ids = torch.randint(0, 256, (1, 2048))
+    with autosp.mesh(sp=2):
+        plan = autosp.explain(autosp.shard(lambda i, y: model(i, y), compiler="aot_eager", dynamic=False), ids, ids)
+    rungs = plan.checkpoint.rungs
+    assert not any(r.priced for r in rungs) and len(rungs) > 2, plan.checkpoint
+    assert plan.checkpoint.rung.overhead <= _checkpoint.AUTO_OVERHEAD and rungs[-1].overhead > _checkpoint.AUTO_OVERHEAD
 
 
 def test_auto_weighs_rungs_at_the_longer_length_where_every_rung_has_it():

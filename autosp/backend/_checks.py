@@ -21,6 +21,7 @@ import torch.fx as fx
 from torch._functorch.compile_utils import fx_graph_cse
 
 from .._context import SpContext
+from .._graph import graph_module
 from ..errors import PlanError
 from ..partition._fsdp import FSDP_OPS
 from ._plan import Plan
@@ -132,7 +133,7 @@ def cse_alike(graphs: list[fx.GraphModule], rank: int) -> fx.GraphModule:
     rank's own graph: Falcon-H1's causal convolution recomputes in the backward an exchange its
     forward makes, and on a symbolic length one rank's trace built the two alike (merged: one
     all-to-all), the other's not (two); the ranks would then hang."""
-    merged = [fx.GraphModule(g, fx_graph_cse(g.graph)) for g in graphs]
+    merged = [graph_module(g, fx_graph_cse(g.graph)) for g in graphs]
     if len({repr(_collective_order(g)) for g in merged}) == 1:
         return merged[rank]
     log.info("autosp: common subexpressions merge collectives on some sp ranks only; kept unmerged")

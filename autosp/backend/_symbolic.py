@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils._sympy.numbers import int_oo
 
-from .._graph import SYM_TYPES, hint, out_vals, tensor_inputs
+from .._graph import SYM_TYPES, graph_module, hint, out_vals, tensor_inputs
 from ..propagate._placement import shard_spec
 from ._checks import collective_digest, cse_alike, over_ranks
 
@@ -84,7 +84,7 @@ def hinted(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
             user.kwargs = fx.node.map_arg(user.kwargs, lambda a, new=new, value=value: value if a is new else a)
         graph.erase_node(new)
     folded = {new for new, _ in scalars}
-    return fx.GraphModule(gm, graph), {new: old for old, new in env.items() if new not in folded}
+    return graph_module(gm, graph), {new: old for old, new in env.items() if new not in folded}
 
 
 def lengths_note(inputs) -> str:
@@ -142,7 +142,7 @@ def rank_graph(trace: Callable, ctx, shape_env) -> fx.GraphModule:
     the plan tests) there are no other ranks to exchange with: this rank's graph and guards."""
     start = len(shape_env.guards)
     mine = trace(ctx)
-    merged = fx.GraphModule(mine, fx_graph_cse(mine.graph))
+    merged = graph_module(mine, fx_graph_cse(mine.graph))
     digests = (collective_digest(merged), collective_digest(mine))
     got = over_ranks(ctx, "rank graphs", ([g.expr for g in shape_env.guards[start:]], digests))
     if got is None:

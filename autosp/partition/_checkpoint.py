@@ -45,14 +45,15 @@ import torch
 import torch.fx as fx
 from torch._functorch import partitioners
 from torch.fx.experimental.symbolic_shapes import free_symbols
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .._context import check_policy
-from .._graph import hint, is_attention, is_attention_backward, op_args, out_bytes, out_vals
+from .._graph import graph_module, hint, is_attention, is_attention_backward, op_args, out_bytes, out_vals
 from ..errors import PlanError
 from ._fsdp import GATHER as _FSDP_GATHER
 from ._fsdp import fsdp_tags
-from ._memory import MemoryEstimate, at_length, estimate_memory
+from ._memory import MemoryEstimate, _nbytes, at_length, estimate_memory, sequence_peak
 
 __all__ = ["Checkpoint", "Rung", "RungSpec", "checkpoint_partition", "select"]
 
@@ -122,6 +123,8 @@ class Rung:
     # on a symbolic length: (length, predicted peak, overhead) at the length "auto" decides at
     # (``AUTO_LONGER``), read from the same graphs; None elsewhere
     longer: tuple[int, int, float] | None = None
+    # priced from another rung's partition (``_Priced``), not partitioned itself
+    priced: bool = False
 
     @property
     def name(self) -> str:
@@ -168,13 +171,14 @@ class Checkpoint:
             shown.setdefault(r.name, r)
         mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
         rows = ", ".join(
-            f"{r.name}: {mib(r.memory.peak)}, +{r.overhead:.1%}"
+            f"{r.name}: {'~' if r.priced else ''}{mib(r.memory.peak)}, +{r.overhead:.1%}"
             + (f" ({mib(r.longer[1])}, +{r.longer[2]:.1%} at {r.longer[0]})" if r.longer else "")
             for r in shown.values()
         )
         longer = _longer(self.rungs) if self.policy == "auto" else None
         at = f" (weighed at {longer} tokens, for every length)" if longer else ""
-        return f"checkpoint={self.policy}: chose {self.chosen!r}{at} of [{rows}]" + (
+        priced = "; ~: priced from the first rung's partition" if any(r.priced for r in self.rungs) else ""
+        return f"checkpoint={self.policy}: chose {self.chosen!r}{at} of [{rows}]{priced}" + (
             f"; {self.note}" if self.note else ""
         )
 
@@ -348,7 +352,7 @@ def _tagged_copy(gm: fx.GraphModule, tags: dict[str, CheckpointPolicy], regions:
         if old.name in tags:
             new.meta["recompute"] = tags[old.name]
             new.meta["ac_graph_id"] = regions[old.name]
-    copy = fx.GraphModule(gm, graph)
+    copy = graph_module(gm, graph)
     copy.graph.lint()
     return copy
 
@@ -626,6 +630,147 @@ class _Partitioner:
         return Rung(spec, memory, recompute(), step, attention, longer), fw, bw
 
 
+_RECOMPUTED = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
+
+
+@dataclass(frozen=True)
+class _Priced:
+    """The untiled rungs priced from the partition of the first ("none"), not partitioned each
+    (one min-cut on the whole graph a rung: 3-4 s at 32 layers). A rung recomputes what its tags
+    say on top of what the first rung recomputes (the partitioner never saves an op tagged to
+    recompute): each value the first rung saves that the rung tags is recomputed from its inputs,
+    back to values the rung does not tag (saved in its place) or the step's inputs. Its memory is
+    the same liveness walk as a partitioned rung's (``estimate_memory``), over the first rung's
+    forward keeping those values and its backward with the recomputed ops before their first use,
+    as the partitioner places them; its recompute is the first rung's and those ops'. What the
+    partitioner might decide besides (recomputing an untagged op) is not seen: the rung "auto"
+    takes is partitioned and checked (``_partitioned``)."""
+
+    ladder: _Ladder
+    base: Rung
+    fw: fx.GraphModule
+    bw: fx.GraphModule
+    num_fwd_outputs: int
+
+    def _schedule(self, tags: Tags):
+        """(saved, recomputed, forward, backward, backward inputs) under ``tags``, as joint-graph
+        nodes: the forward's and the backward's nodes in the order they run."""
+        joint = {nd.name: nd for nd in self.ladder.graph.graph.nodes}
+        fw_nodes = [joint[nd.name] for nd in self.fw.graph.nodes if nd.op != "output"]
+        fw_ops = {nd for nd in fw_nodes if nd.op == "call_function"}
+        bw_inputs = [joint[nd.name] for nd in self.bw.graph.find_nodes(op="placeholder")]
+        bw_ops = [joint[nd.name] for nd in self.bw.graph.nodes if nd.op == "call_function"]
+        recomputed = {nd for nd in bw_ops if nd in fw_ops}
+        regions = self.ladder.regions
+
+        def recomputes(nd: fx.Node) -> bool:
+            # as the partitioner reads the tags (``cleanup_recompute_tags``): an op whose result a
+            # later region recomputes from is saved, at the boundary between the two
+            return tags.get(nd.name) in _RECOMPUTED and not any(
+                tags.get(u.name) in _RECOMPUTED and regions.get(u.name, -1) > regions.get(nd.name, -1)
+                for u in nd.users
+                if nd.name in regions and u.name in regions
+            )
+
+        saved: list[fx.Node] = []
+        todo = [nd for nd in bw_inputs if nd.op != "placeholder"]
+        while todo:
+            nd = todo.pop()
+            if nd in recomputed or nd in saved:
+                continue
+            if nd.op != "placeholder" and recomputes(nd):
+                recomputed.add(nd)
+                todo.extend(nd.all_input_nodes)
+            else:
+                saved.append(nd)
+        # the backward: its inputs (the step's that it reads, the tangents, the values saved), then
+        # its ops, each recomputed value just before its first use
+        inputs = [nd for nd in bw_inputs if nd.op == "placeholder"]
+        inputs += [nd for nd in saved if nd not in inputs]
+        done, order = set(inputs), list(inputs)
+
+        def need(nd: fx.Node) -> None:
+            stack = [(nd, False)]
+            while stack:
+                x, ready = stack.pop()
+                if x in done:
+                    continue
+                if ready:
+                    done.add(x)
+                    order.append(x)
+                    continue
+                stack.append((x, True))
+                stack.extend((a, False) for a in reversed(x.all_input_nodes) if a not in done)
+
+        for nd in bw_ops:
+            need(nd)
+        return saved, recomputed, fw_nodes, order, inputs
+
+    def __call__(self, spec: RungSpec, tags: Tags) -> Rung:
+        saved, recomputed, fw_nodes, bw_nodes, bw_inputs = self._schedule(tags)
+        joint = {nd.name: nd for nd in self.ladder.graph.graph.nodes}
+        user_out = [
+            joint[a.name]
+            for a in tree_leaves(self.fw.graph.output_node().args)[: self.num_fwd_outputs]
+            if isinstance(a, fx.Node)
+        ]
+        grads = {joint[a.name] for a in tree_leaves(self.bw.graph.output_node().args) if isinstance(a, fx.Node)}
+        step_inputs = {nd for nd in fw_nodes if nd.op == "placeholder"}
+        ladder, base = self.ladder, self.base
+
+        def memory(read: Callable = hint) -> MemoryEstimate:
+            fw_peak, fw_end = sequence_peak(fw_nodes, dict.fromkeys(step_inputs, False), {*user_out, *saved}, read)
+            fw_end -= sum(_nbytes(nd.meta.get("val"), read) for nd in user_out)
+            counted = {nd: nd.op != "placeholder" or nd not in step_inputs for nd in bw_inputs}
+            bw_peak, grads_live = sequence_peak(bw_nodes, counted, grads, read)
+            return MemoryEstimate(base.memory.params, grads_live, fw_end, fw_peak, bw_peak)
+
+        def recompute(longer: bool = False) -> float:
+            return sum(ladder.cost_of(nd, longer) for nd in recomputed if nd.target is not _FSDP_GATHER)
+
+        longer = None
+        if base.longer is not None:
+            length, read, _ = ladder.longer
+            try:
+                longer = (length, memory(read).peak, recompute(True) / max(ladder.total(True)[0], 1.0))
+            except _UNREAD:
+                longer = None
+        return Rung(spec, memory(), recompute(), base.step, base.attention, longer, priced=True)
+
+
+def _auto(ladder: _Ladder, rungs, partition: _Partitioner):
+    """The untiled rungs for "auto" from one partition: the first rung partitioned, the others
+    priced from it (``_Priced``) up to where the climb would stop (the first rung past the
+    overhead): ([(Rung, forward, backward)] as ``_climb`` makes them, the priced ones without
+    graphs; settled). The rung the policy takes is partitioned afterwards (``_partitioned``)."""
+    first = partition(ladder, *rungs[0])
+    priced = _Priced(ladder, *first, partition.num_fwd_outputs)
+    results, seen, settled = [first], [rungs[0][1]], _settled("auto", first[0])
+    for spec, tags in rungs[1:]:
+        if settled:
+            break
+        if tags in seen:
+            continue
+        seen.append(tags)
+        results.append((priced(spec, tags), None, None))
+        settled = _settled("auto", results[-1][0])
+    return results, settled
+
+
+def _partitioned(results, rung: Rung, ladder: _Ladder, rungs, partition: _Partitioner):
+    """``results`` with ``rung``'s graphs (partitioned where it was priced), and the rung as
+    partitioned; None where it is past the overhead ``auto`` allows (its pricing missed recompute
+    the partitioner added)."""
+    i = next(j for j, r in enumerate(results) if r[0] is rung)
+    if results[i][1] is not None:
+        return results, rung
+    tags = next(t for spec, t in rungs if spec == rung.spec)
+    real, fw, bw = partition(ladder, rung.spec, tags)
+    if real.weighed[1] > AUTO_OVERHEAD:
+        return None
+    return [*results[:i], (real, fw, bw), *results[i + 1 :]], real
+
+
 def _climb(ladder: _Ladder, rungs, partition: _Partitioner, policy, every_rung: bool):
     """The rungs partitioned from the one that recomputes least, until the policy is settled
     (all of them with ``every_rung``): ([(Rung, forward, backward)], settled). A rung that tags
@@ -683,18 +828,37 @@ def checkpoint_partition(
     rungs = ladder.rungs
     if policy in ("none", "full") and not every_rung:
         rungs = rungs[:1] if policy == "none" else rungs[-1:]
-    results, settled = _climb(ladder, rungs, partition, policy, every_rung)
+    pricing = policy == "auto" and not every_rung and len(rungs) > 1
+    if pricing:  # one partition, the rest priced from it (the chosen rung's, below)
+        results, settled = _auto(ladder, rungs, partition)
+    else:
+        results, settled = _climb(ladder, rungs, partition, policy, every_rung)
     # the tiled rungs: where the walk reached "full" (a budget or a planning tool: always, and a
     # budget alike on every rank)
     weighs_tiles = policy != "none" and rungs[-1][0].kind == "full" and (every_rung or not settled)
+    results_tiled = []
     if tiled is not None and weighs_tiles:
         tiled_ladder = _Ladder.of(tiled(), tiles, longer)
-        results += [partition(tiled_ladder, spec, tags) for spec, tags in tiled_ladder.rungs if spec.kind == "full"]
+        results_tiled = [
+            partition(tiled_ladder, spec, tags) for spec, tags in tiled_ladder.rungs if spec.kind == "full"
+        ]
+        results += results_tiled
     evaluated = [r for r, _, _ in results]
     peaks = [r.memory.peak for r in evaluated]
     if largest is not None and isinstance(policy, int):
         peaks = largest(peaks)
     rung = select(policy, evaluated, peaks)
+    if pricing:
+        checked = _partitioned(results, rung, ladder, rungs, partition)
+        if checked is None:  # the priced choice is past the overhead, partitioned: climb as without pricing
+            log.info("autosp: checkpoint=auto: rung %r priced under the overhead is over it; climbing", rung.name)
+            results, settled = _climb(ladder, rungs, partition, policy, every_rung)
+            results += results_tiled
+            evaluated = [r for r, _, _ in results]
+            rung = select(policy, evaluated, [r.memory.peak for r in evaluated])
+        else:
+            results, rung = checked
+            evaluated = [r for r, _, _ in results]
     _, fw, bw = next(r for r in results if r[0] is rung)
     lengths = None
     if smallest is not None and isinstance(policy, int):

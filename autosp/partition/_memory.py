@@ -37,7 +37,7 @@ from .._graph import hint, op_args
 from ..propagate._local import PARAMETERS, TOKEN_LOCAL, TOKEN_LOCAL_BACKWARD, run_backward, run_forward
 from ._attention import RING, RING_BACKWARD
 
-__all__ = ["MemoryEstimate", "estimate_memory", "graph_peak", "at_length"]
+__all__ = ["MemoryEstimate", "estimate_memory", "graph_peak", "sequence_peak", "at_length"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,13 +228,22 @@ def graph_peak(gm: fx.GraphModule, counted_inputs: set[str], read: Callable = hi
     ``counted_inputs`` count from the start (freed after their last use);
     other inputs (parameters, the batch) are held by the caller and not counted. ``read``: how
     sizes are read (``_nbytes``)."""
-    nodes = list(gm.graph.nodes)
+    out_node = gm.graph.output_node()
+    kept = {a for a in tree_leaves(out_node.args) if isinstance(a, fx.Node)}
+    inputs = {nd: nd.name in counted_inputs for nd in gm.graph.find_nodes(op="placeholder")}
+    return sequence_peak(list(gm.graph.nodes), inputs, kept, read)
+
+
+def sequence_peak(
+    nodes: list[fx.Node], inputs: dict[fx.Node, bool], kept: set[fx.Node], read: Callable = hint
+) -> tuple[int, int]:
+    """``graph_peak`` of ``nodes`` run in that order (a graph's, or a schedule made of another
+    graph's nodes: ``_checkpoint._Priced``): the nodes in ``inputs`` are held from where they stand,
+    counted where their value is True; what is in ``kept`` stays to the end."""
     last_use: dict[fx.Node, int] = {}
     for i, nd in enumerate(nodes):
         for a in nd.all_input_nodes:
             last_use[a] = i
-    out_node = gm.graph.output_node()
-    kept = {a for a in tree_leaves(out_node.args) if isinstance(a, fx.Node)}
     storage: dict[fx.Node, list[int]] = {}  # node -> ids of the buffers it holds
     per_output: set[fx.Node] = set()  # multi-output nodes holding one buffer per output
     size: dict[int, int] = {}
@@ -261,8 +270,8 @@ def graph_peak(gm: fx.GraphModule, counted_inputs: set[str], read: Callable = hi
         return b
 
     for i, nd in enumerate(nodes):
-        if nd.op == "placeholder":
-            hold(nd, [new(_nbytes(nd.meta.get("val"), read), nd.name in counted_inputs)])
+        if nd in inputs:
+            hold(nd, [new(_nbytes(nd.meta.get("val"), read), inputs[nd])])
         elif nd.op == "call_function":
             if nd.target is operator.getitem and nd.args[0] in storage:
                 src = storage[nd.args[0]]
@@ -278,11 +287,11 @@ def graph_peak(gm: fx.GraphModule, counted_inputs: set[str], read: Callable = hi
                     hold(nd, [new(_nbytes(val, read))])
         elif nd.op == "get_attr":
             hold(nd, [])
-        peak = max(peak, live + (_workspace(nd, read) if nd.op == "call_function" else 0))
+        peak = max(peak, live + (_workspace(nd, read) if nd.op == "call_function" and nd not in inputs else 0))
         for a in nd.all_input_nodes:
             if last_use.get(a) == i and a not in kept:
                 release(a)
-        if nd.op != "output" and not nd.users and nd not in kept:
+        if nd.op != "output" and nd not in last_use and nd not in kept:
             release(nd)
     return peak, live
 

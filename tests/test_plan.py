@@ -90,6 +90,45 @@ def test_plan_sends_a_hand_written_ulysses_plans_bytes_and_nothing_beyond(fake_w
     assert all(t > 0 for t in plan.timings.values()) and "\nplanned in " in str(plan), plan.timings
 
 
+def test_the_backend_runs_its_recipe_each_pass_logged_with_the_graphs_it_hands_on(fake_world, monkeypatch):
+    """The backend is a flat list of passes on one record (``TRAINING``; ``FORWARD_ONLY`` for a
+    step under ``torch.no_grad()``): under ``AUTOSP_DEBUG=1`` each pass is logged, in the recipe's
+    order, with its time and the graphs it hands on (the per-rank graph after localizing, the
+    forward and backward after checkpointing)."""
+    import logging
+    import re
+
+    from autosp.backend._backend import FORWARD_ONLY, TRAINING
+
+    class Records(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    monkeypatch.setenv("AUTOSP_DEBUG", "1")
+    fake_world(2)
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(heads=4, kv_heads=4, dim=32, layers=1))
+    ids = torch.randint(0, 256, (1, L))
+    logger = logging.getLogger("autosp")
+    for recipe, grad in ((TRAINING, True), (FORWARD_ONLY, False)):
+        records = Records()
+        logger.addHandler(records)
+        try:
+            with torch.set_grad_enabled(grad), autosp.mesh(sp=2):
+                autosp.explain(autosp.shard(lambda i, y: model(i, y), compiler="aot_eager"), ids, ids)
+        finally:
+            logger.removeHandler(records)
+        logged = [(m.group(1), x) for x in records.messages if (m := re.match(r"autosp pass (.+?): ", x))]
+        assert [name for name, _ in logged] == [name for name, *_ in recipe], logged
+        graphs = {name: len(re.findall(r"\n\d+ nodes\nclass ", x)) for name, x in logged}
+        assert graphs["localize"] == 1 and "all_to_all" in dict(logged)["localize"], graphs
+        assert graphs["checkpoint" if grad else "localize"] == (2 if grad else 1), graphs
+
+
 def test_explain_names_each_collective_source_line(fake_world):
     """The plan says where every collective comes from, in the user's code."""
     fake_world(2)

@@ -1,10 +1,13 @@
 """The torch.compile backend: the autosp passes, in order, on AOTAutograd's joint graph.
 
-    fold or replicate K/V heads -> propagate -> solve -> (plan, checked across ranks) -> localize
-    -> checkpoint and partition (untiled and tiled ladders) -> (schedule checked) -> compile
+    fold or replicate K/V heads -> hint -> propagate -> solve -> plan (checked across ranks)
+    -> tile -> even shards -> localize -> checkpoint and partition (untiled and tiled ladders)
+    -> schedule (checked across ranks) -> finish -> compile
 
-Each pass is a function of the graph and one ``SpContext``; ``_run`` wraps each once for
-``AUTOSP_DEBUG=1`` (time and the graph it hands on).
+A compile is one record (``Compile``) that the passes hand on, each filling in its part; the
+recipe is a flat list (``TRAINING``, and ``FORWARD_ONLY`` for a step without a backward) of
+(name, pass, the phase its time counts in, the graphs it hands on). ``run_passes`` times each into
+``Plan.timings`` and, with ``AUTOSP_DEBUG=1``, logs its time and the graphs it hands on.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from .._context import Options, SpContext
 from ..errors import collective_error
 from ..partition import (
+    Checkpoint,
+    TileGuard,
+    Tiling,
     checkpoint_partition,
     fold_kv_repeats,
     gathers_at_first_use,
@@ -38,7 +44,7 @@ from ..partition import (
     plan_tiles,
     replicate_kv_heads,
 )
-from ..propagate import propagate, solve
+from ..propagate import Choice, propagate, solve
 from ._checks import any_rank, check_same_plan, check_same_schedule, largest_peaks, smallest_over_ranks
 from ._plan import Plan, build_plan, timing_line
 from ._symbolic import guard_budget_lengths, guard_even_shards, hinted, is_symbolic, lengths_note, rank_graph
@@ -70,29 +76,24 @@ DECOMPOSITIONS = {
 CALL_STARTED: contextvars.ContextVar[float | None] = contextvars.ContextVar("autosp_call_started", default=None)
 # the compile under way's phase times (``Plan.timings``), which ``_run`` adds to
 _TIMES: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar("autosp_times", default=None)
-# pass -> the compile phase its time counts in
-_PHASE = {"fold K/V repeats": "propagate", "replicate K/V heads": "propagate", "plan": "solve"}
 
 
-def _run(name: str, fn: Callable, *args, **kwargs):
-    """One pass, its time added to the compile's phase (``Plan.timings``); with
-    ``AUTOSP_DEBUG=1`` its time and the graph it hands on are logged."""
+def _run(name: str, fn: Callable, c: Compile, ctx: SpContext, phase: str, hands_on: tuple[str, ...]) -> None:
+    """One pass on ``c``, its time added to the compile's ``phase`` (``Plan.timings``); with
+    ``AUTOSP_DEBUG=1`` its time and the graphs it hands on (``c``'s fields ``hands_on``) are logged."""
     t0 = time.perf_counter()
-    out = fn(*args, **kwargs)
+    fn(c, ctx)
     times = _TIMES.get()
     if times is not None:
-        phase = _PHASE.get(name, name)
         times[phase] = times.get(phase, 0.0) + time.perf_counter() - t0
     if os.environ.get("AUTOSP_DEBUG") == "1":
-        graphs = [x for x in (out if isinstance(out, tuple) else (out,)) if isinstance(x, fx.GraphModule)]
-        graphs = graphs or [a for a in args if isinstance(a, fx.GraphModule)]  # analyses: the graph they read
+        graphs = [g for g in (getattr(c, f) for f in hands_on) if isinstance(g, fx.GraphModule)]
         log.warning(
-            "autosp pass %s: %.3f s\n%s",
+            "autosp pass %s: %.3f s%s",
             name,
             time.perf_counter() - t0,
-            "\n".join(f"{len(g.graph.nodes)} nodes\n{g.print_readable(print_output=False)}" for g in graphs),
+            "".join(f"\n{len(g.graph.nodes)} nodes\n{g.print_readable(print_output=False)}" for g in graphs),
         )
-    return out
 
 
 def inductor_graph(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
@@ -156,56 +157,179 @@ def _with_errors(compile_fn: Callable) -> Callable:
     return compile
 
 
-def _solved(graph: fx.GraphModule, ctx: SpContext):
-    """K/V repeats folded or K/V heads replicated, then propagate, solve and the plan (checked
-    across ranks): (the graph planned, its nodes -> ``graph``'s where it is a hinted copy, else
-    None; the choice; the plan). Planning reads sizes at their hints (a copy of the graph); the
-    per-rank graph stays symbolic."""
-    folded = _run("fold K/V repeats", fold_kv_repeats, graph, ctx.n)
-    folded += _run("replicate K/V heads", replicate_kv_heads, graph, ctx)
-    planned, to_graph = hinted(graph) if is_symbolic(graph) else (graph, None)
-    candidates = _run("propagate", propagate, planned, ctx)
-    choice = _run("solve", solve, planned, candidates, ctx)
-    plan = _run("plan", build_plan, planned, choice, ctx.n, tuple(folded))
-    check_same_plan(plan, ctx)
-    return planned, to_graph, choice, plan
+@dataclasses.dataclass
+class Compile:
+    """One compile as the backend's passes hand it on (``TRAINING``, ``FORWARD_ONLY``), each
+    filling in its part. ``graph`` is AOTAutograd's joint graph (a forward-only step's forward),
+    ``inputs`` its fake inputs as ``localize`` reads a joint graph's (primals, tangents),
+    ``outputs`` the forward's outputs, ``kwargs`` the partitioner's other arguments."""
+
+    graph: fx.GraphModule
+    inputs: list
+    outputs: int
+    training: bool
+    rank: int  # the sp rank compiling
+    kwargs: dict = dataclasses.field(default_factory=dict)
+    symbolic: bool = False  # sizes are expressions of the sequence length (``_symbolic``)
+    folded: tuple = ()  # K/V heads folded or replicated (notes for the plan)
+    planned: fx.GraphModule | None = None  # what planning reads: ``graph``, or its hinted copy
+    to_graph: dict | None = None  # on a symbolic length: ``planned``'s nodes -> ``graph``'s
+    candidates: object = None  # propagation's strategies per node
+    choice: Choice | None = None  # the solver's, on ``planned``
+    local_choice: Choice | None = None  # the same on ``graph`` (guarded to even shards)
+    plan: Plan | None = None
+    tiling: Tiling | None = None
+    tile_guard: TileGuard | None = None
+    local: fx.GraphModule | None = None  # this rank's per-rank graph (untiled)
+    fw: fx.GraphModule | None = None
+    bw: fx.GraphModule | None = None
+    checkpoint: Checkpoint | None = None
+    captured: tuple[str, ...] = ()  # notes of the rewrites of Dynamo's graph (``unchunk``)
+    notes: tuple[str, ...] = ()  # the checkpointing pass's notes (a budget's lengths)
 
 
-def _on_symbolic(choice, to_graph: dict | None, n: int):
-    """The choice on the symbolic graph's nodes (guarded to even shards where the plan relies on them)."""
-    if to_graph is None:
-        return choice
-    choice = dataclasses.replace(choice, strategy={to_graph[nd]: s for nd, s in choice.strategy.items()})
-    guard_even_shards(choice.strategy, n)
-    return choice
+def _fold(c: Compile, ctx: SpContext) -> None:
+    c.folded += tuple(fold_kv_repeats(c.graph, ctx.n))
 
 
-def _localizer(graph: fx.GraphModule, inputs, outputs: int, planned, to_graph, choice, ctx: SpContext):
-    """(per_rank, tiling, guard_tiles) for ``graph``, solved as ``choice`` on ``planned`` (its
-    hinted copy, ``to_graph`` mapping its nodes to ``graph``'s; None: no tiling, as for a forward
-    only). ``per_rank(tiled=False)`` localizes ``graph`` for this rank, in ``tiling``'s tiles if
-    ``tiled``; with a symbolic length it takes every rank's guards too, its common subexpressions
-    merged where every rank's graph merges the same collectives (``rank_graph``)."""
-    tiling, guard_tiles = (
-        (None, None) if planned is None else plan_tiles(planned.graph, choice.strategy, ctx, symbolic=to_graph)
-    )
+def _replicate(c: Compile, ctx: SpContext) -> None:
+    c.folded += tuple(replicate_kv_heads(c.graph, ctx))
 
-    def tiles_of(c: SpContext):
-        return tiling if c.rank == ctx.rank else plan_tiles(planned.graph, choice.strategy, c, symbolic=to_graph)[0]
 
-    local_choice = _on_symbolic(choice, to_graph, ctx.n)
+def _hint(c: Compile, ctx: SpContext) -> None:
+    """Planning reads sizes at their hints (a copy of the graph); the per-rank graph stays symbolic."""
+    c.symbolic = is_symbolic(c.graph)
+    c.planned, c.to_graph = hinted(c.graph) if c.symbolic else (c.graph, None)
 
-    def trace(c: SpContext, tiled: bool) -> fx.GraphModule:
-        tiles = tiles_of(c) if tiled else None
-        return localize(graph, local_choice, inputs, c, num_fwd_outputs=outputs, tiling=tiles)
 
-    def per_rank(tiled: bool = False) -> fx.GraphModule:
-        if to_graph is None:
-            return gathers_at_first_use(trace(ctx, tiled))
-        shape_env = detect_fake_mode(inputs).shape_env
-        return rank_graph(lambda c: gathers_at_first_use(trace(c, tiled)), ctx, shape_env)
+def _propagate(c: Compile, ctx: SpContext) -> None:
+    c.candidates = propagate(c.planned, ctx)
 
-    return per_rank, tiling, guard_tiles
+
+def _solve(c: Compile, ctx: SpContext) -> None:
+    c.choice = solve(c.planned, c.candidates, ctx)
+
+
+def _on_graph(c: Compile, ctx: SpContext) -> None:
+    """The choice on ``graph``'s nodes: on a symbolic length, the hinted copy's mapped back and
+    guarded to even shards where the plan relies on them (``guard_even_shards``)."""
+    c.local_choice = c.choice
+    if c.symbolic:
+        strategy = {c.to_graph[nd]: s for nd, s in c.choice.strategy.items()}
+        c.local_choice = dataclasses.replace(c.choice, strategy=strategy)
+        guard_even_shards(strategy, ctx.n)
+
+
+def _plan(c: Compile, ctx: SpContext) -> None:
+    """The plan ``explain`` shows, the same on every rank (checked)."""
+    c.plan = build_plan(c.planned, c.choice, ctx.n, c.folded)
+    check_same_plan(c.plan, ctx)
+
+
+def _tile(c: Compile, ctx: SpContext) -> None:
+    """The ops that run in tiles along the sequence, for the tiled rungs (a training step's)."""
+    c.tiling, c.tile_guard = plan_tiles(c.planned.graph, c.choice.strategy, ctx, symbolic=c.to_graph)
+
+
+def _traced(c: Compile, rank: SpContext, tiled: bool = False) -> fx.GraphModule:
+    """``rank``'s per-rank graph of ``c`` (in ``c.tiling``'s tiles if ``tiled``: another rank's
+    tiles are its own, planned alike)."""
+    tiles = None
+    if tiled:
+        same = rank.rank == c.rank
+        tiles = c.tiling if same else plan_tiles(c.planned.graph, c.choice.strategy, rank, symbolic=c.to_graph)[0]
+    local = localize(c.graph, c.local_choice, c.inputs, rank, num_fwd_outputs=c.outputs, tiling=tiles)
+    return gathers_at_first_use(local)
+
+
+def per_rank_graph(c: Compile, ctx: SpContext, tiled: bool = False) -> fx.GraphModule:
+    """This rank's per-rank graph; on a symbolic length with every rank's guards, its common
+    subexpressions merged where every rank's graph merges the same collectives (``rank_graph``)."""
+    if not c.symbolic:
+        return _traced(c, ctx, tiled)
+    shape_env = detect_fake_mode(c.inputs).shape_env
+    return rank_graph(functools.partial(_traced, c, tiled=tiled), ctx, shape_env)
+
+
+def _localize(c: Compile, ctx: SpContext) -> None:
+    c.local = per_rank_graph(c, ctx)
+
+
+def _checkpoint(c: Compile, ctx: SpContext) -> None:
+    """Checkpointing and AOTAutograd's partition into forward and backward (``checkpoint_partition``).
+    A symbolic compile's per-rank graph comes merged by ``rank_graph``: the partitioner's own
+    merging, rank by rank, may merge a collective on some ranks only."""
+    symbolic = c.symbolic
+    with functorch_config.patch(cse=not symbolic):
+        c.fw, c.bw, c.checkpoint = checkpoint_partition(
+            c.local,
+            c.inputs,
+            ctx.options.checkpoint,
+            num_fwd_outputs=c.outputs,
+            every_rung=ctx.options.every_rung,
+            largest=largest_peaks(ctx),
+            smallest=smallest_over_ranks(ctx) if symbolic else None,
+            tiled=functools.partial(per_rank_graph, c, ctx, tiled=True) if c.tiling is not None else None,
+            tiles=c.tiling.count if c.tiling is not None else 1,
+            **c.kwargs,
+        )
+    # a symbolic compile serves the lengths that make its tile count only where the count
+    # weighed in its checkpointing decision (on any rank: all guard alike, and all exchange)
+    if symbolic and any_rank(ctx, "tiles", c.checkpoint.weighs_tiles) and c.tile_guard is not None:
+        c.tile_guard.apply()
+    c.notes += guard_budget_lengths(c.checkpoint, c.inputs)  # before the lengths note, which reads the guards
+
+
+def _check_schedule(c: Compile, ctx: SpContext) -> None:
+    check_same_schedule(c.fw if c.training else c.local, c.bw, ctx)
+
+
+def _finish(c: Compile, ctx: SpContext) -> None:
+    """The plan with what the compile decided after the solver: its memory and checkpointing, its
+    notes, its lengths."""
+    notes = c.plan.notes + c.captured
+    if not c.training:
+        notes += ("forward only (no grad): no checkpointing, no tiling",)
+    notes += ((lengths_note(c.inputs),) if c.symbolic else ()) + c.notes
+    more = dict(memory=c.checkpoint.memory, checkpoint=c.checkpoint) if c.training else {}
+    c.plan = dataclasses.replace(c.plan, notes=notes, **more)
+
+
+# (name, pass, the compile phase its time counts in (``Plan.timings``), the record's graphs it
+# hands on, logged under ``AUTOSP_DEBUG=1``)
+_PLANNING = (
+    ("fold K/V repeats", _fold, "propagate", ("graph",)),
+    ("replicate K/V heads", _replicate, "propagate", ("graph",)),
+    ("hint", _hint, "propagate", ()),
+    ("propagate", _propagate, "propagate", ()),
+    ("solve", _solve, "solve", ()),
+    ("plan", _plan, "solve", ()),
+)
+TRAINING = (
+    *_PLANNING,
+    ("tile", _tile, "localize", ()),
+    ("even shards", _on_graph, "localize", ()),
+    ("localize", _localize, "localize", ("local",)),
+    ("checkpoint", _checkpoint, "checkpoint", ("fw", "bw")),
+    ("check schedule", _check_schedule, "checkpoint", ()),
+    ("finish", _finish, "checkpoint", ()),
+)
+# a graph without a backward (the step under ``torch.no_grad()``: evaluation), planned and
+# localized as a training step's forward is, untiled and without checkpointing
+FORWARD_ONLY = (
+    *_PLANNING,
+    ("even shards", _on_graph, "localize", ()),
+    ("localize", _localize, "localize", ("local",)),
+    ("check schedule", _check_schedule, "localize", ()),
+    ("finish", _finish, "localize", ()),
+)
+
+
+def run_passes(passes, c: Compile, ctx: SpContext) -> Compile:
+    """``c`` through ``passes`` in order, each timed (``_run``)."""
+    for name, fn, phase, hands_on in passes:
+        _run(name, fn, c, ctx, phase, hands_on)
+    return c
 
 
 class _Clock:
@@ -259,91 +383,72 @@ def make_backend(
     """A Dynamo backend that runs the training step sequence-parallel over ``mesh``'s sp axis;
     ``on_plan`` receives each compile's plan, ``on_run`` the plan of the compile that runs, at each
     call (with a symbolic length, Dynamo picks among a step's compiles by the length)."""
-    ctx = SpContext.of(mesh, options)
-    plans: list[Plan] = []  # the plan of the compile under way, for its forward's compiled function
-    captured: list[str] = []  # the notes of the rewrites of Dynamo's graph of the compile under way
-    clock = _Clock(_with_errors(_compiler(options.compiler)))
+    return _Backend(SpContext.of(mesh, options), on_plan, on_run).backend
 
-    @clock.planner
-    def partition(joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs, **kwargs):
-        planned, to_joint, choice, plan = _solved(joint, ctx)
-        per_rank, tiling, guard_tiles = _localizer(joint, joint_inputs, num_fwd_outputs, planned, to_joint, choice, ctx)
-        local = _run("localize", per_rank)
-        # a symbolic compile's per-rank graph comes merged by ``rank_graph``: the partitioner's own
-        # merging, rank by rank, may merge a collective on some ranks only
-        with functorch_config.patch(cse=to_joint is None):
-            fw, bw, ckpt = _run(
-                "checkpoint",
-                checkpoint_partition,
-                local,
-                joint_inputs,
-                options.checkpoint,
-                num_fwd_outputs=num_fwd_outputs,
-                every_rung=options.every_rung,
-                largest=largest_peaks(ctx),
-                smallest=None if to_joint is None else smallest_over_ranks(ctx),
-                tiled=None if tiling is None else lambda: per_rank(tiled=True),
-                tiles=tiling.count if tiling is not None else 1,
-                **kwargs,
-            )
-        # a symbolic compile serves the lengths that make its tile count only where the count
-        # weighed in its checkpointing decision (on any rank: all guard alike)
-        if to_joint is not None and any_rank(ctx, "tiles", ckpt.weighs_tiles):
-            guard_tiles()
-        check_same_schedule(fw, bw, ctx)
-        budget = guard_budget_lengths(ckpt, joint_inputs)  # before the note, which reads the guards
-        notes = plan.notes + tuple(captured) + ((lengths_note(joint_inputs),) if to_joint is not None else ()) + budget
-        plan = dataclasses.replace(plan, memory=ckpt.memory, checkpoint=ckpt, notes=notes, timings=clock.times)
-        plans[:] = [plan]
-        if on_plan is not None:
-            on_plan(plan)
-        return fw, bw
 
-    @clock.planner
-    def forward_only(graph: fx.GraphModule, example_inputs):
-        """A graph without a backward (the step under ``torch.no_grad()``: evaluation), planned and
-        localized as a training step's forward is, untiled and without checkpointing."""
-        _, to_graph, choice, plan = _solved(graph, ctx)
-        inputs = [list(example_inputs), []]  # (primals, tangents), as localize reads a joint graph's
-        outputs = len(graph.graph.output_node().args[0])
-        per_rank, _, _ = _localizer(graph, inputs, outputs, None, to_graph, choice, ctx)
-        local = _run("localize", per_rank)
-        check_same_schedule(local, None, ctx)
-        notes = (*captured, "forward only (no grad): no checkpointing, no tiling")
-        notes += (lengths_note(inputs),) if to_graph is not None else ()
-        plan = dataclasses.replace(plan, notes=plan.notes + notes, timings=clock.times)
-        if on_plan is not None:
-            on_plan(plan)
-        plans[:] = [plan]
-        run = fw_compile(local, example_inputs)
-        clock.done()
+class _Backend:
+    """The backend's state across the compiles of one step: the notes of the rewrites of Dynamo's
+    graph (``unchunk``) of the compile under way, and the plan its partition made, which its
+    forward's compiled function reports (``on_run``)."""
+
+    def __init__(self, ctx: SpContext, on_plan, on_run):
+        self.ctx, self.on_plan, self.on_run = ctx, on_plan, on_run
+        self.captured: tuple[str, ...] = ()
+        self.planned: Plan | None = None  # the partition's plan, until the forward's compile takes it
+        self.clock = _Clock(_with_errors(_compiler(ctx.options.compiler)))
+        self.compile_joint = aot_autograd(
+            fw_compiler=self.fw_compile,
+            bw_compiler=self.clock.backward,
+            inference_compiler=self.forward_only,
+            partition_fn=self.clock.planner(self.partition),
+            decompositions=DECOMPOSITIONS,
+            keep_inference_input_mutations=True,
+        )
+
+    def _planned(self, c: Compile) -> Plan:
+        plan = dataclasses.replace(c.plan, timings=self.clock.times)
+        self.planned = plan
+        if self.on_plan is not None:
+            self.on_plan(plan)
+        return plan
+
+    def partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs, **kwargs):
+        c = Compile(joint, joint_inputs, num_fwd_outputs, True, self.ctx.rank, kwargs, captured=self.captured)
+        run_passes(TRAINING, c, self.ctx)
+        self._planned(c)
+        return c.fw, c.bw
+
+    def forward_only(self, graph: fx.GraphModule, example_inputs):
+        """A graph without a backward (the step under ``torch.no_grad()``): ``FORWARD_ONLY``."""
+
+        def plan_it(graph, example_inputs):
+            inputs = [list(example_inputs), []]  # (primals, tangents), as localize reads a joint graph's
+            outputs = len(graph.graph.output_node().args[0])
+            c = Compile(graph, inputs, outputs, False, self.ctx.rank, captured=self.captured)
+            run_passes(FORWARD_ONLY, c, self.ctx)
+            return c
+
+        c = self.clock.planner(plan_it)(graph, example_inputs)
+        self._planned(c)
+        run = self.fw_compile(c.local, example_inputs)
+        self.clock.done()
         return run
 
-    def fw_compile(gm: fx.GraphModule, example_inputs):
-        run = clock.compile(gm, example_inputs)
-        if on_run is None or not plans:
+    def fw_compile(self, gm: fx.GraphModule, example_inputs):
+        run = self.clock.compile(gm, example_inputs)
+        plan, self.planned = self.planned, None  # its partition's, just before
+        if self.on_run is None or plan is None:
             return run
-        plan = plans.pop()  # its partition's, just before
 
         def ran(args):
-            on_run(plan)
+            self.on_run(plan)
             return run(args)
 
         ran._boxed_call = True
         return ran
 
-    compile_joint = aot_autograd(
-        fw_compiler=fw_compile,
-        bw_compiler=clock.backward,
-        inference_compiler=forward_only,
-        partition_fn=partition,
-        decompositions=DECOMPOSITIONS,
-        keep_inference_input_mutations=True,
-    )
-
-    def backend(gm: fx.GraphModule, example_inputs):
+    def backend(self, gm: fx.GraphModule, example_inputs):
         """Dynamo's graph of the step: chunked losses as one (``unchunk``), then AOTAutograd."""
-        gm, captured[:] = unchunk(gm)
-        return compile_joint(gm, example_inputs)
-
-    return backend
+        gm, captured = unchunk(gm)
+        self.captured = tuple(captured)
+        return self.compile_joint(gm, example_inputs)

@@ -7,7 +7,7 @@ from ._fsdp import fsdp_notes, gathers_at_first_use
 from ._gqa import fold_kv_repeats, replicate_kv_heads
 from ._localize import localize
 from ._memory import MemoryEstimate
-from ._tiling import Tiling, plan_tiles
+from ._tiling import TileGuard, Tiling, plan_tiles
 
 __all__ = [
     "Checkpoint",
@@ -22,5 +22,6 @@ __all__ = [
     "localize",
     "MemoryEstimate",
     "Tiling",
+    "TileGuard",
     "plan_tiles",
 ]

@@ -16,8 +16,8 @@ MLP, the projections, the vocabulary projection and their gradients alive at a t
 "full, N tiles", and "full + loss, N tiles", which also recomputes the ops after the last layer
 (final norm, vocabulary projection, loss), tile by tile, instead of keeping the logits. They are
 built where the local sequence holds two tiles of ``MIN_TILE_ROWS`` and the policy may take them.
-Each rung is partitioned and its memory predicted from the resulting graphs; the policy picks
-one:
+Each rung's memory is predicted from its partitioned graphs (under "auto", but for the first and
+the one taken, priced from the first's: ``_Priced``); the policy picks one:
 
 - ``"none"``: the partitioner's own choice (torch.compile's default); recompute tags the model
   set itself (``torch.utils.checkpoint`` inside the step) are replaced under every policy;

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +32,7 @@ from .._context import SpContext
 from .._graph import hint, is_attention, out_vals, tensor_inputs
 from ..propagate._placement import P, chunks, local_shape, redistribute_kind, shard_spec
 
-__all__ = ["Tiling", "TileRunner", "plan_tiles", "MIN_TILE_ROWS", "MAX_TILES", "SHAPE_ARG"]
+__all__ = ["Tiling", "TileGuard", "TileRunner", "plan_tiles", "MIN_TILE_ROWS", "MAX_TILES", "SHAPE_ARG"]
 
 aten = torch.ops.aten
 
@@ -130,18 +129,22 @@ def _tile_count(rows: int, cap: int, symbolic: bool) -> int:
     return next((t for t in counts if rows >= t * MIN_TILE_ROWS), 1)
 
 
-def _guard_tile_count(rows, tiles: int, cap: int) -> None:
-    """Specialise a symbolic compile on its tile count: guards that the local ``rows`` make
-    ``tiles`` (its lower bound, and the next power of two's where that is within ``cap``), so a
-    length that makes another count compiles again, once per count, never per length."""
-    if tiles > 1:
-        torch._check(rows >= tiles * MIN_TILE_ROWS)
-    if 2 * tiles <= cap:
-        torch._check(rows < 2 * tiles * MIN_TILE_ROWS)
+@dataclass(frozen=True)
+class TileGuard:
+    """What specialises a symbolic compile on its tile count, where the count matters to its plan
+    (the checkpointing pass weighed tiled rungs): the local ``rows`` make ``tiles`` (its lower
+    bound, and the next power of two's where that is within ``cap``), so a length that makes
+    another count compiles again, once per count, never per length."""
 
+    rows: object
+    tiles: int
+    cap: int
 
-def _no_guard() -> None:
-    """A static compile's tile-count guard: none (its length is fixed)."""
+    def apply(self) -> None:
+        if self.tiles > 1:
+            torch._check(self.rows >= self.tiles * MIN_TILE_ROWS)
+        if 2 * self.tiles <= self.cap:
+            torch._check(self.rows < 2 * self.tiles * MIN_TILE_ROWS)
 
 
 def _tile_sizes(rows, tiles: int) -> tuple:
@@ -155,15 +158,15 @@ def _tile_sizes(rows, tiles: int) -> tuple:
 
 def plan_tiles(
     graph: fx.Graph, plan, ctx: SpContext, tiles: int = MAX_TILES, symbolic: dict[fx.Node, fx.Node] | None = None
-) -> tuple[Tiling | None, Callable[[], None]]:
+) -> tuple[Tiling | None, TileGuard | None]:
     """The ops of ``graph`` (solved ``plan``) that run in tiles along the local sequence (the
     most common sharded length): as many as fit ``MIN_TILE_ROWS`` rows each, at most ``tiles``;
     None when that is fewer than two or nothing can be tiled. ``symbolic``: ``graph`` is a
     hinted copy (``backend._symbolic``) and this maps its nodes to the symbolic graph's, which
     the tiling is then of (its tile lengths expressions of the symbolic length; the count read
-    at the hint). With it, the function that guards the compile on the tile count (a no-op
-    otherwise): for the caller to call where the count matters to the plan (the checkpointing
-    pass weighs tiled rungs), so a compile whose rung is untiled serves every length."""
+    at the hint). With it, the compile's guard on the tile count (``TileGuard``; None otherwise):
+    for the caller to apply where the count matters to the plan (the checkpointing pass weighs
+    tiled rungs), so a compile whose rung is untiled serves every length."""
     n, rank = ctx.n, ctx.rank
     cand: dict[fx.Node, int | None] = {}
     lengths: dict[fx.Node, int] = {}
@@ -174,7 +177,7 @@ def plan_tiles(
             if d is not None:
                 lengths[nd] = length
     if not lengths:
-        return None, _no_guard
+        return None, None
     # the sequence: the most common global length of a sharded dim; the number of tiles from
     # the first rank's share (the longest), so that every rank tiles alike
     seq = Counter(lengths.values()).most_common(1)[0][0]
@@ -183,7 +186,7 @@ def plan_tiles(
         seq = next(v for v in out_vals(symbolic[first]) if v is not None).shape[cand[first]]
     longest = chunks(seq, n)[0]  # the first rank's share
     cap, tiles = tiles, _tile_count(hint(longest), tiles, symbolic is not None)
-    guard = _no_guard if symbolic is None else lambda: _guard_tile_count(longest, tiles, cap)
+    guard = None if symbolic is None else TileGuard(longest, tiles, cap)
     if tiles < 2:
         return None, guard
     rows = chunks(seq, n)[rank]
@@ -212,7 +215,7 @@ def plan_tiles(
                 del nodes[nd]
                 changed = True
     if not any(d is not None for d in nodes.values()):
-        return None, _no_guard
+        return None, None
     if symbolic is not None:
         nodes = {symbolic[nd]: d for nd, d in nodes.items()}
     return Tiling(nodes, _tile_sizes(rows, tiles)), guard

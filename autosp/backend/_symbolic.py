@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils._sympy.numbers import int_oo
 
 from .._graph import SYM_TYPES, graph_module, hint, out_vals, tensor_inputs
+from ..errors import PlanError
 from ..propagate._placement import shard_spec
 from ._checks import collective_digest, cse_alike, over_ranks
 
@@ -128,6 +129,9 @@ def guard_even_shards(strategy: dict, n: int) -> None:
                 torch._check(size % blocks == 0)
 
 
+_FAILED = "autosp: failed"  # what a rank whose trace failed sends in place of its guards
+
+
 def rank_graph(trace: Callable, ctx, shape_env) -> fx.GraphModule:
     """This rank's per-rank graph on a symbolic length (``trace(ctx)``), traced once, with every
     rank's guards. Each rank traces its own graph, then the ranks exchange the guards their traces
@@ -141,12 +145,26 @@ def rank_graph(trace: Callable, ctx, shape_env) -> fx.GraphModule:
     back to tracing every rank's graph in the same order. On a fake process group (``explain``,
     the plan tests) there are no other ranks to exchange with: this rank's graph and guards."""
     start = len(shape_env.guards)
-    mine = trace(ctx)
-    merged = graph_module(mine, fx_graph_cse(mine.graph))
-    digests = (collective_digest(merged), collective_digest(mine))
-    got = over_ranks(ctx, "rank graphs", ([g.expr for g in shape_env.guards[start:]], digests))
+    try:
+        mine, failed = trace(ctx), None
+    except Exception as e:  # every rank must hear of it before any raises
+        mine, failed = None, e
+    if failed is None:
+        merged = graph_module(mine, fx_graph_cse(mine.graph))
+        digests = (collective_digest(merged), collective_digest(mine))
+        got = over_ranks(ctx, "rank graphs", ([g.expr for g in shape_env.guards[start:]], digests))
+    else:  # the others wait for this rank's guards: tell them, then raise (not a hang)
+        got = over_ranks(ctx, "rank graphs", (_FAILED, f"{type(failed).__name__}: {failed}"[:2000]))
+        raise failed
     if got is None:
         return merged
+    for rank, (guards, why) in enumerate(got):
+        if guards == _FAILED:
+            raise PlanError(
+                None,
+                f"sp rank {rank} could not build its per-rank graph (each rank traces its own): {why}",
+                "see that rank's error, which names the op",
+            )
     if len({d[0] for _, d in got}) == 1:
         graph = merged
     elif len({d[1] for _, d in got}) == 1:

@@ -12,6 +12,7 @@ import functools
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from .._context import Kernel
 from .._graph import known_alike, out_vals, retraced
@@ -39,7 +40,14 @@ def _narrow(x: torch.Tensor, d: int, start, rows) -> torch.Tensor:
     even)."""
     sym = next((v for v in (*x.shape, start, rows) if isinstance(v, torch.SymInt)), None)
     with sym.node.shape_env.suppress_guards() if sym is not None else contextlib.nullcontext():
-        return x.narrow(d, plain(start), rows)
+        out = x.narrow(d, plain(start), rows)
+    got = out.shape[d]
+    if isinstance(got, torch.SymInt) and free_unbacked_symbols(got.node.expr):
+        # without guards torch's slice could not read the size and made a new (unbacked) symbol
+        # of it: it is ``rows`` (the ops after it would stop in guards on that symbol: a reverse
+        # running product's backward on rank 1 of 2 at 37 tokens)
+        torch._check(got == rows)
+    return out
 
 
 def _rows(x: torch.Tensor, d: int, size_in: int, pieces, n: int, rank: int, group) -> list[torch.Tensor]:

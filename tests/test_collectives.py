@@ -33,3 +33,31 @@ def test_redistribute_matches_direct_slicing(pools, world, src, dst):
     for shape in SHAPES:
         errs = pools(world).run(cases.redistribute_roundtrip, shape, src, dst, 0)
         assert max(errs) < 1e-12, shape
+
+
+def test_a_lone_rank_s_collectives_are_removed_and_its_graph_computes_the_same(fake_world):
+    """On an sp group of one rank every collective returns its input: ``drop_lone_collectives``
+    removes each (and its wait) from a per-rank graph, on that group only, and the graph computes
+    what it did (a sum of one part, an exchange with itself)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autosp.partition import drop_lone_collectives
+
+    fake_world(1)
+    group = dist.group.WORLD.group_name
+
+    def step(x):
+        y = funcol.all_reduce(x * 2, "sum", group)
+        z = funcol.all_to_all_single(y.reshape(-1), None, None, group).reshape(y.shape)
+        return funcol.all_gather_tensor(z + 1, 0, group) - x
+
+    x = torch.randn(4, 3)
+    gm = make_fx(step)(x)
+    c10d = lambda g: [nd for nd in g.graph.nodes if getattr(nd.target, "namespace", None) == "_c10d_functional"]  # noqa: E731
+    assert len(c10d(gm)) == 6  # three collectives, three waits
+    assert drop_lone_collectives(gm, "another group") == 0 and len(c10d(gm)) == 6
+    assert drop_lone_collectives(gm, group) == 3 and c10d(gm) == []
+    assert torch.equal(gm(x), (x * 2).reshape(-1).reshape(4, 3) + 1 - x)

@@ -38,6 +38,7 @@ from ..partition import (
     TileGuard,
     Tiling,
     checkpoint_partition,
+    drop_lone_collectives,
     fold_kv_repeats,
     gathers_at_first_use,
     localize,
@@ -246,13 +247,19 @@ def per_rank_graph(c: Compile, ctx: SpContext, tiled: bool = False) -> fx.GraphM
     """This rank's per-rank graph; on a symbolic length with every rank's guards, its common
     subexpressions merged where every rank's graph merges the same collectives (``rank_graph``)."""
     if not c.symbolic:
-        return _traced(c, ctx, tiled)
-    shape_env = detect_fake_mode(c.inputs).shape_env
-    return rank_graph(functools.partial(_traced, c, tiled=tiled), ctx, shape_env)
+        local = _traced(c, ctx, tiled)
+    else:
+        shape_env = detect_fake_mode(c.inputs).shape_env
+        local = rank_graph(functools.partial(_traced, c, tiled=tiled), ctx, shape_env)
+    if ctx.n == 1:  # an sp group of one rank: its collectives move nothing
+        drop_lone_collectives(local, ctx.group)
+    return local
 
 
 def _localize(c: Compile, ctx: SpContext) -> None:
     c.local = per_rank_graph(c, ctx)
+    if ctx.n == 1:
+        c.notes += ("an sp group of one rank: its collectives removed (each returns its input)",)
 
 
 def _checkpoint(c: Compile, ctx: SpContext) -> None:

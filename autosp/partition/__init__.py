@@ -2,7 +2,7 @@
 the checkpointing decision and the memory it predicts."""
 
 from ._checkpoint import Checkpoint, Rung, RungSpec, checkpoint_partition
-from ._collectives import redistribute
+from ._collectives import drop_lone_collectives, redistribute
 from ._fsdp import fsdp_notes, gathers_at_first_use
 from ._gqa import fold_kv_repeats, replicate_kv_heads
 from ._localize import localize
@@ -15,6 +15,7 @@ __all__ = [
     "RungSpec",
     "checkpoint_partition",
     "redistribute",
+    "drop_lone_collectives",
     "fsdp_notes",
     "gathers_at_first_use",
     "fold_kv_repeats",

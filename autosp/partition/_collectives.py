@@ -22,7 +22,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..propagate._placement import chunks, offsets, redistribute_kind, shard_spec
 
-__all__ = ["redistribute", "pad_to"]
+__all__ = ["redistribute", "pad_to", "drop_lone_collectives"]
 
 
 def _split(shape: list[int], d: int, parts: list[int]) -> list[int]:
@@ -141,3 +141,36 @@ def redistribute(
             return _slice(_gather(x, *s, n, group, global_shape[s[0]] // s[1]), *d, n, rank)
         return _all_to_all(x, s[0], s[1], d[0], d[1], n, rank, group, global_shape[s[0]] // s[1])
     raise AssertionError(f"autosp: cannot redistribute {src} -> {dst}")
+
+
+_C10D = torch.ops._c10d_functional
+
+
+def drop_lone_collectives(gm: torch.fx.GraphModule, group: str) -> int:
+    """Remove from a per-rank graph every collective on ``group`` where the group is this rank
+    alone (a world of one): each moves nothing and returns its input (a sum, maximum or gather of
+    one part, an exchange with itself), so its result is its input, and its wait goes with it.
+    Without them the checkpointing pass may recompute through what they fed (the partitioner
+    saves every collective's result), as one GPU's step would. The number removed."""
+    dropped = 0
+    for nd in list(gm.graph.nodes):
+        if nd.op != "call_function" or getattr(nd.target, "namespace", None) != "_c10d_functional":
+            continue
+        if nd.target is _C10D.wait_tensor.default:  # after its collective: kept where that was
+            src = nd.args[0]
+            pending = src.op == "call_function" and getattr(src.target, "namespace", None) == "_c10d_functional"
+            if not pending or src.target is _C10D.wait_tensor.default:
+                nd.replace_all_uses_with(src)
+                gm.graph.erase_node(nd)
+            continue
+        names = [a.name for a in nd.target._schema.arguments]
+        given = dict(zip(names, nd.args)) | nd.kwargs
+        if given.get("group_name") != group or isinstance(nd.meta.get("val"), (list, tuple)):
+            continue
+        nd.replace_all_uses_with(nd.args[0])
+        gm.graph.erase_node(nd)
+        dropped += 1
+    if dropped:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return dropped

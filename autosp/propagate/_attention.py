@@ -397,6 +397,9 @@ def _note(nd: fx.Node, s: Strategy, n: int) -> str | None:
 
 
 def attention_notes(gm: fx.GraphModule, plan: dict[fx.Node, Strategy], n: int) -> list[str]:
-    """How each attention forward runs, when it is not plain Ulysses (heads split evenly)."""
+    """How each attention forward runs, when it is not plain Ulysses (heads split evenly); none on
+    an sp group of one rank, where attention runs whole wherever its inputs are placed."""
+    if n == 1:
+        return []
     notes = [_note(nd, plan[nd], n) for nd in gm.graph.find_nodes(op="call_function", target=SDPA_CPU)]
     return [x for x in notes if x is not None]

@@ -21,12 +21,14 @@ import json
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ._context import ATTENTION_CHOICES
+from ._devices import DEVICES, device
 
 __all__ = ["main", "PRESETS", "PlanFit", "trace_plan", "max_sequence"]
 
@@ -78,6 +80,7 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # and Megatron run it: an fp32 master copy and fp32 moments (12 bytes per parameter)
 _OPTIMIZER_STATE = {"adamw": (2, 0), "adamw-mixed": (0, 12), "sgd": (0, 0), "sgd-momentum": (1, 0)}
 _POLICIES = ("none", "auto", "full")
+_FSDP = ("none", "sp", "dp", "world", "hsdp")
 
 
 def parse_bytes(text: str) -> int:
@@ -120,6 +123,11 @@ class Traced:
     comm_bytes: float
     collectives: int
     recompute: float  # fraction of the step's estimated cost
+    grads: int = 0  # the gradients' bytes in ``activations`` (held whole on every rank)
+    forward_peak: int = 0
+    backward_peak: int = 0
+    flops: float = 0.0  # the step's matmul and attention flops per rank, without recomputation
+    written: float = 0.0  # the bytes its ops write per rank
 
 
 def _build_meta(cfg: dict, dtype: torch.dtype, layers: int | None = None):
@@ -247,38 +255,95 @@ class PlanFit:
         mem = MemoryEstimate(params, grads, saved, fw, max(bw, saved + grads))
         attention = value(lambda r: r.attention, quadratic=True)
         step = value(lambda r: r.step - r.attention) + attention
-        return Rung(rung(self.plans[(1, self.seqs[0])]).spec, mem, value(lambda r: r.recompute), step, attention)
+        flops = value(lambda r: r.flops - r.attention) + attention
+        spec = rung(self.plans[(1, self.seqs[0])]).spec
+        written = value(lambda r: r.written)
+        return Rung(spec, mem, value(lambda r: r.recompute), step, attention, flops=flops, written=written)
 
     def at(self, seq: int, policy: str) -> Traced:
         from .partition._checkpoint import select
 
         rung = select(policy, self.rungs(seq))
+        m = rung.memory
         return Traced(
             policy,
             rung.name,
-            rung.memory.peak,
+            m.peak,
             self._value(lambda p: p.comm_bytes, seq),
             round(self._value(lambda p: len(p.collectives), seq)),
             rung.overhead,
+            m.grads,
+            m.forward_peak,
+            m.backward_peak,
+            rung.flops,
+            rung.written,
         )
 
 
-def _static_bytes(cfg: dict, dtype: torch.dtype, optimizer: str) -> tuple[int, int]:
-    """(parameter bytes, optimizer state bytes) per rank: every sp rank holds the whole model."""
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a rank's parameters, gradients and optimizer state live: whole on every rank, or
+    sharded over ``shards`` ranks as FSDP2 shards them (``fully_shard``), on the device or, with
+    ``offload``, on the host (FSDP2's ``CPUOffloadPolicy``: parameters, gradients and optimizer
+    state in host memory, each layer's parameters copied in and gathered for its forward and
+    backward). ``layer``: the largest layer's parameter bytes, which a sharded rank gathers."""
+
+    params: int  # bytes, whole
+    optimizer: int  # bytes, whole
+    layer: int
+    shards: int = 1
+    offload: bool = False
+
+    @property
+    def device(self) -> int:
+        """Parameter and optimizer bytes per rank on the device (the step's own beyond them)."""
+        return 0 if self.offload else (self.params + self.optimizer) // self.shards
+
+    @property
+    def host(self) -> int:
+        """Parameter, gradient and optimizer bytes per rank in host memory (with offload)."""
+        return (2 * self.params + self.optimizer) // self.shards if self.offload else 0
+
+    def activations(self, t: Traced) -> int:
+        """The step's peak beyond parameters and optimizer state (``Traced.activations``, traced
+        with the whole model on every rank), with FSDP2's: gradients reduce-scattered to a shard
+        (on the host with offload) as each layer's backward ends, and the gathered layers'
+        transient: the one running and the next, prefetched, and the running one's unsharded
+        gradient (three layers' parameter bytes)."""
+        if self.shards == 1 and not self.offload:
+            return t.activations
+        kept = 0 if self.offload else t.grads // self.shards
+        return max(t.forward_peak, t.backward_peak - t.grads + kept) + 3 * self.layer
+
+
+def _placement(cfg: dict, dtype: torch.dtype, optimizer: str, shards: int = 1, offload: bool = False) -> Placement:
+    """Parameter and optimizer bytes of the model (whole), its largest layer's, and how they are
+    placed per rank."""
     model = _build_meta(cfg, dtype)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     times, fixed = _OPTIMIZER_STATE[optimizer]
-    return params, times * params + fixed * sum(p.numel() for p in model.parameters())
+    optimizer_bytes = times * params + fixed * sum(p.numel() for p in model.parameters())
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    layer = max((sum(p.numel() * p.element_size() for p in b.parameters()) for ml in layers for b in ml), default=0)
+    return Placement(params, optimizer_bytes, layer, shards, offload)
 
 
 def max_sequence(
-    fit: PlanFit, policy: str, *, budget: int, static: int, granule: int, hi: int = 2**24
+    fit: PlanFit,
+    policy: str,
+    *,
+    budget: int,
+    static: int,
+    granule: int,
+    hi: int = 2**24,
+    activations: Callable[[Traced], int] = lambda t: t.activations,
 ) -> tuple[int, Traced | None]:
-    """The longest multiple of ``granule`` whose step fits ``budget`` bytes per rank, by bisection."""
+    """The longest multiple of ``granule`` whose step fits ``budget`` bytes per rank, by bisection:
+    ``static`` bytes beside the step's ``activations`` (those it traced, by default)."""
 
     def fits(seq: int) -> Traced | None:
         t = fit.at(seq, policy)
-        return t if static + t.activations <= budget else None
+        return t if static + activations(t) <= budget else None
 
     def between(lo: int, high: int) -> int:
         """Bisection between a length that fits (``lo``, or 0) and one that does not."""
@@ -341,7 +406,86 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="a 2D sp mesh: sub-groups of this many ranks (hybrid attention: Ulysses within, ring across)",
     )
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the sp group (world = dp x sp)")
+    p.add_argument(
+        "--fsdp",
+        default="none",
+        choices=_FSDP,
+        help="parameters, gradients and optimizer state sharded as FSDP2 shards them: over the sp ranks, the dp "
+        "replicas, the world, or hsdp (within a node, replicated across nodes)",
+    )
+    p.add_argument(
+        "--cpu-offload",
+        action="store_true",
+        help="plan FSDP2's CPUOffloadPolicy: parameters, gradients and optimizer state in host memory",
+    )
+    p.add_argument(
+        "--device",
+        default=None,
+        help=f"the accelerator ({', '.join(DEVICES)}): its memory is --memory's default, and the step time is "
+        "its roofline's",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object (the auto policy's, or the first given)")
     return ap
+
+
+def _shards(fsdp: str, sp: int, dp: int, per_node: int) -> int:
+    """The ranks FSDP2 shards over under ``--fsdp``."""
+    return {"none": 1, "sp": sp, "dp": dp, "world": sp * dp, "hsdp": min(sp * dp, per_node)}[fsdp]
+
+
+def _summary(args, dev, memory, placed: Placement, policy: str, seq, t: Traced | None, attention: str, seconds):
+    """``autosp plan --json``'s object: one policy's figures at ``--seq`` (else at the longest
+    length that fits)."""
+    took = None if t is None or dev is None else dev.step_time(t.flops, t.written, t.comm_bytes, args.sp, t.recompute)
+    return {
+        "model": args.model,
+        "sp": args.sp,
+        "dp": args.dp,
+        "device": dev.name if dev else None,
+        "memory_bytes": memory,
+        "dtype": args.dtype,
+        "optimizer": args.optimizer,
+        "fsdp": args.fsdp,
+        "fsdp_shards": placed.shards,
+        "cpu_offload": placed.offload,
+        "checkpoint": policy,
+        "longest_sequence": seq,
+        "seq": args.seq or seq,
+        "per_rank_device_bytes": None if t is None else placed.device + placed.activations(t),
+        "per_rank_host_bytes": placed.host,
+        "rung": None if t is None else t.rung,
+        "recompute": None if t is None else t.recompute,
+        "attention": attention,
+        # activations kept in host memory: none yet (the parameters' state is ``per_rank_host_bytes``)
+        "offloaded_bytes": 0,
+        "comm_bytes_per_step": None if t is None else t.comm_bytes,
+        "predicted_step_time_s": took,
+        "planning_seconds": seconds,
+    }
+
+
+def _longest(fit: PlanFit, policies, memory: int, placed: Placement, granule: int, sp: int, say, time_text) -> dict:
+    """Per policy, the longest sequence that fits ``memory`` per device and its figures there
+    (``max_sequence``), each said as a line."""
+    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    say(f"longest sequence that fits {gib(memory)} per device (bisection, multiples of {granule}):")
+    out = {}
+    for policy in policies:
+        seq, t = out[policy] = max_sequence(
+            fit, policy, budget=memory, static=placed.device, granule=granule, activations=placed.activations
+        )
+        if t is None and placed.device >= memory:
+            say(f"  checkpoint={policy:5s} none: parameters and optimizer state alone need {gib(placed.device)}")
+        elif t is None:
+            need = placed.device + placed.activations(fit.at(granule, policy))
+            say(f"  checkpoint={policy:5s} none: {granule} tokens already need {gib(need)}")
+        else:
+            say(
+                f"  checkpoint={policy:5s} {seq} tokens ({seq // sp} per rank), peak "
+                f"{gib(placed.device + placed.activations(t))}, recompute +{t.recompute:.1%} ({t.rung}){time_text(t)}"
+            )
+    return out
 
 
 def main(argv=None) -> int:
@@ -356,16 +500,27 @@ def main(argv=None) -> int:
     bad = [x for x in policies if x not in _POLICIES]
     if bad:
         ap.error(f"--checkpoint {bad}: use none, auto, full")
-    if not args.seq and not args.memory:
-        ap.error("pass --seq (report a length) and/or --memory (find the longest sequence that fits)")
+    try:
+        dev = device(args.device) if args.device else None
+    except ValueError as e:
+        ap.error(str(e))
+    memory = args.memory or (dev.hbm_bytes if dev is not None else None)
+    if not args.seq and not memory:
+        ap.error("pass --seq (report a length) and/or --memory or --device (find the longest sequence that fits)")
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.sp)
     t0 = time.perf_counter()
-    params, opt = _static_bytes(cfg, dtype, args.optimizer)
+    say = (lambda *a, **k: None) if args.json else print
+    placed = _placement(
+        cfg, dtype, args.optimizer, _shards(args.fsdp, args.sp, args.dp, dev.per_node if dev else 8), args.cpu_offload
+    )
     gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
-    print(
-        f"autosp plan: {args.model}, sp={args.sp}, {args.dtype}, {args.optimizer}, batch {args.batch}: "
-        f"parameters {gib(params)} and optimizer state {gib(opt)} per rank"
+    where = f" sharded over {placed.shards} ranks" if placed.shards > 1 else ""
+    where += ", on the host (CPU offload)" if placed.offload else ""
+    say(
+        f"autosp plan: {args.model}, sp={args.sp}, dp={args.dp}, {args.dtype}, {args.optimizer}, batch {args.batch}: "
+        f"parameters {gib(placed.params)} and optimizer state {gib(placed.optimizer)}{where}: {gib(placed.device)} "
+        f"per rank on the device, {gib(placed.host)} on the host"
     )
     granule = 256 * args.sp
     base = args.seq or 16 * granule
@@ -385,32 +540,35 @@ def main(argv=None) -> int:
             if note.startswith("attention at")
         }
     )
-    print(f"attention ({args.attention}): " + ("; ".join(kernels) if kernels else "Ulysses, heads split evenly"))
+    attention = "; ".join(kernels) if kernels else "Ulysses, heads split evenly"
+    attention = "whole (an sp group of one rank)" if args.sp == 1 else attention
+    say(f"attention ({args.attention}): {attention}")
+
+    def time_text(t: Traced) -> str:
+        if dev is None:
+            return ""
+        took = dev.step_time(t.flops, t.written, t.comm_bytes, args.sp, t.recompute)
+        return f", {took:.2f} s a step on {dev.name} at peak (roofline)"
+
+    at_seq: dict[str, Traced] = {}
     if args.seq:
         fit.refine(args.seq)
-        print(f"at {args.seq} tokens ({args.seq // args.sp} per rank):")
+        say(f"at {args.seq} tokens ({args.seq // args.sp} per rank):")
         for policy in policies:
-            t = fit.at(args.seq, policy)
-            print(
-                f"  checkpoint={policy:5s} peak {gib(params + opt + t.activations)} per rank (activations, gradients, "
-                f"temporaries {gib(t.activations)}), recompute +{t.recompute:.1%} ({t.rung}), {t.collectives} "
-                f"collectives, {t.comm_bytes / 2**20:.1f} MiB sent per rank per step"
+            t = at_seq[policy] = fit.at(args.seq, policy)
+            say(
+                f"  checkpoint={policy:5s} peak {gib(placed.device + placed.activations(t))} per rank (activations, "
+                f"gradients, temporaries {gib(placed.activations(t))}), recompute +{t.recompute:.1%} ({t.rung}), "
+                f"{t.collectives} collectives, {t.comm_bytes / 2**20:.1f} MiB sent per rank per step{time_text(t)}"
             )
-    if args.memory:
-        print(f"longest sequence that fits {gib(args.memory)} per device (bisection, multiples of {granule}):")
-        for policy in policies:
-            seq, t = max_sequence(fit, policy, budget=args.memory, static=params + opt, granule=granule)
-            if t is None and params + opt >= args.memory:
-                print(f"  checkpoint={policy:5s} none: parameters and optimizer state alone need {gib(params + opt)}")
-            elif t is None:
-                need = params + opt + fit.at(granule, policy).activations
-                print(f"  checkpoint={policy:5s} none: {granule} tokens already need {gib(need)}")
-            else:
-                print(
-                    f"  checkpoint={policy:5s} {seq} tokens ({seq // args.sp} per rank), peak "
-                    f"{gib(params + opt + t.activations)}, recompute +{t.recompute:.1%} ({t.rung})"
-                )
-    print(f"planned in {time.perf_counter() - t0:.0f} s")
+    longest = _longest(fit, policies, memory, placed, granule, args.sp, say, time_text) if memory else {}
+    seconds = time.perf_counter() - t0
+    say(f"planned in {seconds:.0f} s")
+    if args.json:
+        policy = "auto" if "auto" in policies else policies[0]
+        seq, t = longest.get(policy, (None, None))
+        t = at_seq.get(policy, t)  # the figures at --seq, else at the longest length
+        print(json.dumps(_summary(args, dev, memory, placed, policy, seq, t, attention, seconds)))
     return 0
 
 

@@ -34,6 +34,7 @@ the one taken, priced from the first's: ``_Priced``); the policy picks one:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import operator
@@ -125,6 +126,10 @@ class Rung:
     longer: tuple[int, int, float] | None = None
     # priced from another rung's partition (``_Priced``), not partitioned itself
     priced: bool = False
+    # the step's matmul and attention flops and the bytes its ops write, without recomputation
+    # (``_Ladder.work``): a device's time for it (``autosp plan --device``)
+    flops: float = 0.0
+    written: float = 0.0
 
     @property
     def name(self) -> str:
@@ -490,6 +495,12 @@ class _Ladder:
             if nd.op == "call_function" and _kind(nd) not in ("view", "getitem")
         )
 
+    @functools.cached_property
+    def work(self) -> tuple[float, float]:
+        """(matmul and attention flops, bytes written) of the step's ops that compute."""
+        ops = [nd for nd in self.graph.graph.nodes if nd.op == "call_function" and _kind(nd) not in ("view", "getitem")]
+        return sum(_flops(nd) for nd in ops), float(sum(out_bytes(nd) for nd in ops))
+
     def recompute_cost(self, fw: fx.GraphModule, bw: fx.GraphModule, longer: bool = False) -> float:
         """What the backward recomputes (FSDP's parameter gathers are communication, as FSDP2 runs
         them in every setting, not activation recompute)."""
@@ -627,7 +638,8 @@ class _Partitioner:
                 longer = (length, peak, recompute(True) / max(self.base.total(True)[0], 1.0))
             except _UNREAD:
                 longer = None
-        return Rung(spec, memory, recompute(), step, attention, longer), fw, bw
+        flops, written = self.base.work
+        return Rung(spec, memory, recompute(), step, attention, longer, flops=flops, written=written), fw, bw
 
 
 _RECOMPUTED = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
@@ -735,7 +747,7 @@ class _Priced:
                 longer = (length, memory(read).peak, recompute(True) / max(ladder.total(True)[0], 1.0))
             except _UNREAD:
                 longer = None
-        return Rung(spec, memory(), recompute(), base.step, base.attention, longer, priced=True)
+        return dataclasses.replace(base, spec=spec, memory=memory(), recompute=recompute(), longer=longer, priced=True)
 
 
 def _auto(ladder: _Ladder, rungs, partition: _Partitioner):

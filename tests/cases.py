@@ -278,6 +278,15 @@ def die_mid_step(die: int, timeout_s: float) -> dict:
     return {"error": "no error", "seconds": time.monotonic() - t0}
 
 
+def error_of(fn, *args) -> str:
+    """``fn(*args)``'s error on this rank, as its type and message, or "no error"."""
+    try:
+        fn(*args)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
 def inputs_per_rank(dp: int, differ_in_group: bool, check: bool = True) -> str:
     """A step whose ranks get their dp replica's batch (dp replicas differ, as a sampler over dp
     hands them out); with ``differ_in_group`` the last rank's batch also differs from the rest of

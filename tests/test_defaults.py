@@ -68,10 +68,10 @@ def _swept(pools, kind: str, lengths=(64, 50, 37)) -> list[dict]:
 
 
 # logcumsumexp along the sequence on a symbolic length: its backward's per-rank trace makes a slice
-# whose size torch cannot decide (an unbacked symbol in ``slice_forward``), then the scan's
-# logsumexp of the ranks' totals asks whether it is empty ("Could not guard on data-dependent
-# expression Eq(16*u0, 0)") on rank 1, and rank 0 waits for it until the pool's timeout (300 s),
-# so it is skipped rather than run to fail; static lengths run it exact (tests/test_reductions.py)
+# whose size torch cannot decide (an unbacked symbol), then the scan's logsumexp of the ranks'
+# totals asks whether it is empty ("Could not guard on data-dependent expression Eq(16*u0, 0)") on
+# rank 1; static lengths run it exact (tests/test_reductions.py). What every rank then does is
+# pinned below (``test_a_rank_whose_per_rank_trace_fails_stops_every_rank_with_an_error``)
 _XFAIL = {"logcumsumexp_seq": "a data-dependent slice size in its backward on a symbolic length (see above)"}
 
 
@@ -173,3 +173,23 @@ def test_inductors_decompositions_of_the_per_rank_graph_keep_its_views_valid():
     assert torch.ops.aten.view.default in {nd.target for nd in gm.graph.nodes}  # contiguous here
     retraced = inductor_graph(gm, [x])
     assert torch.equal(retraced(x), rotary_q(x))
+
+
+def test_a_rank_whose_per_rank_trace_fails_stops_every_rank_with_an_error(pools):
+    """Each rank traces its own per-rank graph; where one rank's trace fails (logcumsumexp's
+    backward on rank 1 at 37 tokens, above), it tells the others before raising, and they raise
+    an error naming it, where they waited for its guards until the store's timeout (rank 0 sat in
+    the exchange until the pool's 300 s). 9 s: the fast tier."""
+    msgs = pools(2).run(
+        cases.error_of,
+        cases.many_lengths,
+        "reduction:logcumsumexp_seq",
+        [64, 50, 37],
+        8,
+        True,
+        None,
+        "none",
+        "inductor",
+    )
+    assert msgs[1].startswith("PlanError") and "Could not guard on data-dependent" in msgs[1], msgs[1]
+    assert "sp rank 1 could not build its per-rank graph" in msgs[0] and "Could not guard" in msgs[0], msgs[0]

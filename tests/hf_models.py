@@ -8,6 +8,19 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 _COMMON = dict(vocab_size=128, num_hidden_layers=2)
+# a config.json for ``autosp plan`` (tests/test_checkpoint.py, tests/test_plan_cli.py): a Llama of
+# 3 layers, 4 query and 2 K/V heads
+TINY_HF = dict(
+    model_type="llama",
+    hidden_size=64,
+    intermediate_size=176,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
 _DROPOUT = (
     "attention_dropout",
     "hidden_dropout",

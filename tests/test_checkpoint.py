@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _checks import tier
+from hf_models import TINY_HF
 
 import autosp
 from examples import models
@@ -234,19 +235,6 @@ def test_predicted_peak_is_within_15_percent_of_measured_rss():
     assert records[-1]["predicted_bytes"] <= budget and records[-1]["peak_mem_bytes"] <= 1.10 * budget, records[-1]
     none, full = records[0], records[1]  # both 2048 tokens per rank
     assert full["peak_mem_bytes"] < 0.7 * none["peak_mem_bytes"]
-
-
-TINY_HF = dict(
-    model_type="llama",
-    hidden_size=64,
-    intermediate_size=176,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=512,
-    max_position_embeddings=4096,
-    tie_word_embeddings=False,
-)
 
 
 @pytest.mark.slow

@@ -9,22 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_models import TINY_HF
 
 from autosp._cli import Traced, _placement, _shards
 from autosp._devices import DEVICES, device
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY_HF = dict(
-    model_type="llama",
-    hidden_size=64,
-    intermediate_size=176,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=512,
-    max_position_embeddings=4096,
-    tie_word_embeddings=False,
-)
 
 
 def test_fsdp_shards_the_state_and_the_gradients_and_gathers_a_layer_at_a_time():

@@ -62,10 +62,11 @@ DEVICES = {
     # NVIDIA A100 Tensor Core GPU data sheet (SXM 80GB): 312 TFLOPS bf16 dense, 80 GB HBM2e at
     # 2,039 GB/s, NVLink 600 GB/s, PCIe Gen4 64 GB/s; DGX A100: one 200 Gb/s HDR NIC per GPU
     "a100": Device("a100", 312 * TB, 80 * GB, 2.039 * TB, 300 * GB, 25 * GB, 32 * GB, source="NVIDIA A100 data sheet"),
-    # NVIDIA HGX B200 data sheet, per GPU: 2.25 PFLOPS bf16 dense (4.5 with sparsity), 180 GB HBM3e
-    # at 7.7 TB/s, NVLink 5 1.8 TB/s, PCIe Gen5 128 GB/s; DGX B200: one 400 Gb/s NIC per GPU
+    # NVIDIA HGX B200 (1,000 W), per GPU: 2.25 PFLOPS bf16 dense (4.5 with sparsity); DGX B200 data
+    # sheet: 1,440 GB HBM3e at 64 TB/s for 8 GPUs (180 GB, 8 TB/s each), NVLink 5 1.8 TB/s, PCIe
+    # Gen5, one 400 Gb/s NIC per GPU
     "b200": Device(
-        "b200", 2250 * TB, 180 * GB, 7.7 * TB, 900 * GB, 50 * GB, 64 * GB, source="NVIDIA HGX B200 data sheet"
+        "b200", 2250 * TB, 180 * GB, 8 * TB, 900 * GB, 50 * GB, 64 * GB, source="NVIDIA DGX/HGX B200 data sheets"
     ),
     # AMD Instinct MI300X data sheet: 1,307.4 TFLOPS bf16 dense, 192 GB HBM3 at 5.3 TB/s, Infinity
     # Fabric 7 links x 128 GB/s (896 GB/s, both directions), PCIe Gen5 x16 128 GB/s; one 400 Gb/s

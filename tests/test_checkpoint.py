@@ -430,3 +430,28 @@ def test_auto_weighs_rungs_at_the_longer_length_where_every_rung_has_it():
     unread = rung(48, 900, over, None)
     assert select("auto", [none, mid, unread]) is none  # at the first length: only "none" fits
     assert "weighed at" not in str(Checkpoint("auto", none, (none, mid, unread)))
+
+
+def test_auto_partitions_each_rung_where_the_first_rung_s_graphs_cannot_price_them(fake_world, monkeypatch):
+    """Where the partitioner's graphs hold nodes the joint graph has not (``_Unpriced``), "auto"
+    partitions each rung it weighs, as without pricing, and takes the rung it takes priced."""
+    from autosp.partition import _checkpoint
+
+    def plan():
+        fake_world(2)
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig(**SMALL))
+        ids = torch.randint(0, 256, (1, 2048))
+        with autosp.mesh(sp=2):
+            step = autosp.shard(lambda i, y: model(i, y), compiler="aot_eager", dynamic=False)
+            return autosp.explain(step, ids, ids).checkpoint
+
+    priced = plan()
+
+    def unpriced(self, tags):
+        raise _checkpoint._Unpriced("a node the joint graph has not")
+
+    monkeypatch.setattr(_checkpoint._Priced, "_schedule", unpriced)
+    climbed = plan()
+    assert any(r.priced for r in priced.rungs) and not any(r.priced for r in climbed.rungs), climbed
+    assert climbed.chosen == priced.chosen and climbed.memory == priced.memory

@@ -645,6 +645,10 @@ class _Partitioner:
 _RECOMPUTED = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
 
 
+class _Unpriced(Exception):
+    """The rungs cannot be priced from the first rung's graphs."""
+
+
 @dataclass(frozen=True)
 class _Priced:
     """The untiled rungs priced from the partition of the first ("none"), not partitioned each
@@ -668,6 +672,10 @@ class _Priced:
         """(saved, recomputed, forward, backward, backward inputs) under ``tags``, as joint-graph
         nodes: the forward's and the backward's nodes in the order they run."""
         joint = {nd.name: nd for nd in self.ladder.graph.graph.nodes}
+        alien = [nd.name for g in (self.fw, self.bw) for nd in g.graph.nodes if nd.op != "output"]
+        alien = [name for name in alien if name not in joint]
+        if alien:
+            raise _Unpriced(f"the partitioner's graphs have nodes the joint graph has not ({', '.join(alien[:3])})")
         fw_nodes = [joint[nd.name] for nd in self.fw.graph.nodes if nd.op != "output"]
         fw_ops = {nd for nd in fw_nodes if nd.op == "call_function"}
         bw_inputs = [joint[nd.name] for nd in self.bw.graph.find_nodes(op="placeholder")]
@@ -769,6 +777,19 @@ def _auto(ladder: _Ladder, rungs, partition: _Partitioner):
     return results, settled
 
 
+def _evaluate(ladder: _Ladder, rungs, partition: _Partitioner, policy, every_rung: bool):
+    """The untiled rungs weighed: (results, settled, priced). "auto" prices them from one
+    partition (``_auto``; the rung it takes is partitioned afterwards), the other policies and
+    ``every_rung`` partition each (``_climb``), as does "auto" where the first rung's graphs
+    cannot price the others."""
+    if policy == "auto" and not every_rung and len(rungs) > 1:
+        try:
+            return (*_auto(ladder, rungs, partition), True)
+        except _Unpriced as e:
+            log.info("autosp: checkpoint=auto: %s; partitioning each rung", e)
+    return (*_climb(ladder, rungs, partition, policy, every_rung), False)
+
+
 def _partitioned(results, rung: Rung, ladder: _Ladder, rungs, partition: _Partitioner):
     """``results`` with ``rung``'s graphs (partitioned where it was priced), and the rung as
     partitioned; None where it is past the overhead ``auto`` allows (its pricing missed recompute
@@ -840,11 +861,7 @@ def checkpoint_partition(
     rungs = ladder.rungs
     if policy in ("none", "full") and not every_rung:
         rungs = rungs[:1] if policy == "none" else rungs[-1:]
-    pricing = policy == "auto" and not every_rung and len(rungs) > 1
-    if pricing:  # one partition, the rest priced from it (the chosen rung's, below)
-        results, settled = _auto(ladder, rungs, partition)
-    else:
-        results, settled = _climb(ladder, rungs, partition, policy, every_rung)
+    results, settled, pricing = _evaluate(ladder, rungs, partition, policy, every_rung)
     # the tiled rungs: where the walk reached "full" (a budget or a planning tool: always, and a
     # budget alike on every rank)
     weighs_tiles = policy != "none" and rungs[-1][0].kind == "full" and (every_rung or not settled)

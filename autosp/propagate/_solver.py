@@ -229,7 +229,10 @@ def _kernel_cost(s: Strategy, mem_weight: float) -> float:
 def solve(gm: fx.GraphModule, c: Candidates, ctx: SpContext) -> Choice:
     """One strategy per node of ``gm`` from its candidates ``c``, for the least cost of the whole
     graph (see the module docstring); raises ``PlanError`` where no exact plan exists."""
-    n, mem_weight = ctx.n, ctx.options.mem_weight
+    # an sp group of one rank weighs placements as two ranks would: with one, every placement
+    # costs nothing and ties would pick any, where the tiling and the checkpointing pass read the
+    # sequence-sharded ones (its collectives are removed afterwards: ``drop_lone_collectives``)
+    n, mem_weight = max(ctx.n, 2), ctx.options.mem_weight
     nodes = [nd for nd in gm.graph.nodes if nd in c.strategies]
     prog = _Program()
     choose: dict[fx.Node, list[int]] = {}  # node -> its strategies' variables

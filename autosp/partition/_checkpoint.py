@@ -668,9 +668,11 @@ class _Priced:
     bw: fx.GraphModule
     num_fwd_outputs: int
 
-    def _schedule(self, tags: Tags):
-        """(saved, recomputed, forward, backward, backward inputs) under ``tags``, as joint-graph
-        nodes: the forward's and the backward's nodes in the order they run."""
+    @functools.cached_property
+    def _first(self) -> dict:
+        """The first rung's graphs as joint-graph nodes, the same for every rung priced: its
+        forward's nodes in order, the backward's inputs and ops, what it recomputes, the step's
+        outputs and the gradients."""
         joint = {nd.name: nd for nd in self.ladder.graph.graph.nodes}
         alien = [nd.name for g in (self.fw, self.bw) for nd in g.graph.nodes if nd.op != "output"]
         alien = [name for name in alien if name not in joint]
@@ -678,9 +680,23 @@ class _Priced:
             raise _Unpriced(f"the partitioner's graphs have nodes the joint graph has not ({', '.join(alien[:3])})")
         fw_nodes = [joint[nd.name] for nd in self.fw.graph.nodes if nd.op != "output"]
         fw_ops = {nd for nd in fw_nodes if nd.op == "call_function"}
-        bw_inputs = [joint[nd.name] for nd in self.bw.graph.find_nodes(op="placeholder")]
         bw_ops = [joint[nd.name] for nd in self.bw.graph.nodes if nd.op == "call_function"]
-        recomputed = {nd for nd in bw_ops if nd in fw_ops}
+        outs = tree_leaves(self.fw.graph.output_node().args)[: self.num_fwd_outputs]
+        return dict(
+            fw_nodes=fw_nodes,
+            bw_inputs=[joint[nd.name] for nd in self.bw.graph.find_nodes(op="placeholder")],
+            bw_ops=bw_ops,
+            recomputed=frozenset(nd for nd in bw_ops if nd in fw_ops),
+            user_out=[joint[x.name] for x in outs if isinstance(x, fx.Node)],
+            grads={joint[x.name] for x in tree_leaves(self.bw.graph.output_node().args) if isinstance(x, fx.Node)},
+            step_inputs={nd for nd in fw_nodes if nd.op == "placeholder"},
+        )
+
+    def _schedule(self, tags: Tags):
+        """(saved, recomputed, backward, backward inputs) under ``tags``, as joint-graph nodes: the
+        backward's nodes in the order they run."""
+        first = self._first
+        recomputed = set(first["recomputed"])
         regions = self.ladder.regions
 
         def recomputes(nd: fx.Node) -> bool:
@@ -692,8 +708,8 @@ class _Priced:
                 if nd.name in regions and u.name in regions
             )
 
-        saved: list[fx.Node] = []
-        todo = [nd for nd in bw_inputs if nd.op != "placeholder"]
+        saved: dict[fx.Node, None] = {}  # in the order found
+        todo = [nd for nd in first["bw_inputs"] if nd.op != "placeholder"]
         while todo:
             nd = todo.pop()
             if nd in recomputed or nd in saved:
@@ -702,11 +718,10 @@ class _Priced:
                 recomputed.add(nd)
                 todo.extend(nd.all_input_nodes)
             else:
-                saved.append(nd)
+                saved[nd] = None
         # the backward: its inputs (the step's that it reads, the tangents, the values saved), then
         # its ops, each recomputed value just before its first use
-        inputs = [nd for nd in bw_inputs if nd.op == "placeholder"]
-        inputs += [nd for nd in saved if nd not in inputs]
+        inputs = list(dict.fromkeys([*(nd for nd in first["bw_inputs"] if nd.op == "placeholder"), *saved]))
         done, order = set(inputs), list(inputs)
 
         def need(nd: fx.Node) -> None:
@@ -722,20 +737,14 @@ class _Priced:
                 stack.append((x, True))
                 stack.extend((a, False) for a in reversed(x.all_input_nodes) if a not in done)
 
-        for nd in bw_ops:
+        for nd in first["bw_ops"]:
             need(nd)
-        return saved, recomputed, fw_nodes, order, inputs
+        return list(saved), recomputed, order, inputs
 
     def __call__(self, spec: RungSpec, tags: Tags) -> Rung:
-        saved, recomputed, fw_nodes, bw_nodes, bw_inputs = self._schedule(tags)
-        joint = {nd.name: nd for nd in self.ladder.graph.graph.nodes}
-        user_out = [
-            joint[a.name]
-            for a in tree_leaves(self.fw.graph.output_node().args)[: self.num_fwd_outputs]
-            if isinstance(a, fx.Node)
-        ]
-        grads = {joint[a.name] for a in tree_leaves(self.bw.graph.output_node().args) if isinstance(a, fx.Node)}
-        step_inputs = {nd for nd in fw_nodes if nd.op == "placeholder"}
+        saved, recomputed, bw_nodes, bw_inputs = self._schedule(tags)
+        first = self._first
+        fw_nodes, user_out, grads, step_inputs = (first[k] for k in ("fw_nodes", "user_out", "grads", "step_inputs"))
         ladder, base = self.ladder, self.base
 
         def memory(read: Callable = hint) -> MemoryEstimate:

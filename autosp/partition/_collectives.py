@@ -20,6 +20,7 @@ from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.distributed.tensor.placement_types import Placement
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from .._graph import op_args
 from ..propagate._placement import chunks, offsets, redistribute_kind, shard_spec
 
 __all__ = ["redistribute", "pad_to", "drop_lone_collectives"]
@@ -163,9 +164,7 @@ def drop_lone_collectives(gm: torch.fx.GraphModule, group: str) -> int:
                 nd.replace_all_uses_with(src)
                 gm.graph.erase_node(nd)
             continue
-        names = [a.name for a in nd.target._schema.arguments]
-        given = dict(zip(names, nd.args)) | nd.kwargs
-        if given.get("group_name") != group or isinstance(nd.meta.get("val"), (list, tuple)):
+        if op_args(nd).get("group_name") != group or isinstance(nd.meta.get("val"), (list, tuple)):
             continue
         nd.replace_all_uses_with(nd.args[0])
         gm.graph.erase_node(nd)

@@ -79,7 +79,8 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # exp_avg and exp_avg_sq in the parameters' dtype; "adamw-mixed" is mixed precision as DeepSpeed
 # and Megatron run it: an fp32 master copy and fp32 moments (12 bytes per parameter)
 _OPTIMIZER_STATE = {"adamw": (2, 0), "adamw-mixed": (0, 12), "sgd": (0, 0), "sgd-momentum": (1, 0)}
-_POLICIES = ("none", "auto", "full")
+# "budget": the first rung of the ladder that fits the memory, as shard(checkpoint=<bytes>) takes it
+_POLICIES = ("none", "auto", "full", "budget")
 _FSDP = ("none", "sp", "dp", "world", "hsdp")
 
 
@@ -128,6 +129,14 @@ class Traced:
     backward_peak: int = 0
     flops: float = 0.0  # the step's matmul and attention flops per rank, without recomputation
     written: float = 0.0  # the bytes its ops write per rank
+    host: int = 0  # saved activations in host memory (an offloaded rung), not in ``activations``
+    copies: float = 0.0  # the part of ``recompute`` that is their copies out and back
+
+    def step_time(self, dev, ranks: int) -> float:
+        """The device's roofline time for this step (``Device.step_time``): the copies over the
+        host link, the rest of the overhead as recomputation."""
+        overhead = self.recompute - self.copies
+        return dev.step_time(self.flops, self.written, self.comm_bytes, ranks, overhead, 2 * self.host)
 
 
 def _build_meta(cfg: dict, dtype: torch.dtype, layers: int | None = None):
@@ -150,9 +159,10 @@ def trace_plan(
     policy: str = "auto",
     attention: str = "auto",
     ulysses: int | None = None,
+    offload: bool = False,
 ):
     """``autosp.explain`` of one training step of the model cut to ``layers`` layers, with every
-    rung of the checkpointing ladder evaluated."""
+    rung of the checkpointing ladder evaluated (with ``offload``, the offloaded ones too)."""
     import autosp
 
     # uninitialised CPU storage: tracing reads shapes only, so the pages are never touched
@@ -164,6 +174,7 @@ def trace_plan(
         checkpoint=policy,
         every_rung=True,
         attention=attention,
+        offload=offload,
         dynamic=False,  # a plan at this length exactly (its fit extrapolates in the length)
     )
     with autosp.mesh(sp=sp, ulysses=ulysses):
@@ -190,9 +201,10 @@ class PlanFit:
         dtype: torch.dtype,
         attention: str = "auto",
         ulysses: int | None = None,
+        offload: bool = False,
     ):
         self.cfg, self.sp, self.batch, self.dtype, self.attention = cfg, sp, batch, dtype, attention
-        self.ulysses = ulysses
+        self.ulysses, self.offload = ulysses, offload
         self.layers, self.seqs = cfg["num_hidden_layers"], seqs
         self.plans: dict = {}
         for s in seqs:
@@ -210,6 +222,7 @@ class PlanFit:
                     dtype=self.dtype,
                     attention=self.attention,
                     ulysses=self.ulysses,
+                    offload=self.offload,
                 )
 
     def refine(self, seq: int) -> None:
@@ -246,30 +259,46 @@ class PlanFit:
         def value(get, quadratic: bool = False) -> float:
             return self._value(lambda plan: get(rung(plan)), seq, quadratic)
 
-        params, grads, saved, fw, bw = (
+        params, grads, saved, fw, bw, host = (
             int(value(lambda r, f=f: getattr(r.memory, f)))
-            for f in ("params", "grads", "saved", "forward_peak", "backward_peak")
+            for f in ("params", "grads", "saved", "forward_peak", "backward_peak", "host")
         )
         # with more layers the backward's peak can move from the loss to its end, where every
         # gradient is held next to the saved activations: both are sums over the layers
-        mem = MemoryEstimate(params, grads, saved, fw, max(bw, saved + grads))
+        mem = MemoryEstimate(params, grads, saved, fw, max(bw, saved + grads), host)
         attention = value(lambda r: r.attention, quadratic=True)
         step = value(lambda r: r.step - r.attention) + attention
         flops = value(lambda r: r.flops - r.attention) + attention
         spec = rung(self.plans[(1, self.seqs[0])]).spec
         written = value(lambda r: r.written)
-        return Rung(spec, mem, value(lambda r: r.recompute), step, attention, flops=flops, written=written)
+        comm = value(lambda r: r.comm)
+        # recomputed attention (whole layers) is quadratic in the length, the rest linear
+        again = value(lambda r: r.recompute_attention, quadratic=True)
+        recompute = value(lambda r: r.recompute - r.recompute_attention) + again
+        return Rung(
+            spec, mem, recompute, step, attention, flops=flops, written=written, comm=comm, recompute_attention=again
+        )
 
-    def at(self, seq: int, policy: str) -> Traced:
+    def at(self, seq: int, policy: str, fits: Callable[[Traced], bool] | None = None) -> Traced:
+        """The figures of the rung ``policy`` takes at ``seq`` tokens; "budget": the first rung of
+        the ladder that ``fits`` (as ``shard(checkpoint=<bytes>)`` takes it), else the one with
+        the least memory."""
         from .partition._checkpoint import select
 
-        rung = select(policy, self.rungs(seq))
+        rungs = self.rungs(seq)
+        if policy == "budget":
+            traced = [self._traced(policy, rung, seq) for rung in rungs]
+            return next((t for t in traced if fits is not None and fits(t)), min(traced, key=lambda t: t.activations))
+        # "auto" and "full" never weigh whole layers (they send collectives again): budgets do
+        return self._traced(policy, select(policy, [r for r in rungs if r.spec.kind != "layers"]), seq)
+
+    def _traced(self, policy: str, rung, seq: int) -> Traced:
         m = rung.memory
         return Traced(
             policy,
             rung.name,
             m.peak,
-            self._value(lambda p: p.comm_bytes, seq),
+            self._value(lambda p: p.comm_bytes, seq) + rung.comm,
             round(self._value(lambda p: len(p.collectives), seq)),
             rung.overhead,
             m.grads,
@@ -277,6 +306,8 @@ class PlanFit:
             m.backward_peak,
             rung.flops,
             rung.written,
+            m.host,
+            rung.copies,
         )
 
 
@@ -335,15 +366,25 @@ def max_sequence(
     budget: int,
     static: int,
     granule: int,
-    hi: int = 2**24,
+    hi: int = 2**25,
     activations: Callable[[Traced], int] = lambda t: t.activations,
+    host: int | None = None,
+    host_static: int = 0,
 ) -> tuple[int, Traced | None]:
     """The longest multiple of ``granule`` whose step fits ``budget`` bytes per rank, by bisection:
-    ``static`` bytes beside the step's ``activations`` (those it traced, by default)."""
+    ``static`` bytes beside the step's ``activations`` (those it traced, by default), and where
+    ``host`` is given, ``host_static`` bytes beside its offloaded activations in that many bytes
+    of host memory per rank. Where the policy's choice changes with the length ("auto": at longer
+    lengths attention's quadratic share makes recomputation a smaller part of the step, and a rung
+    that keeps less comes within the overhead), a longer length can fit past one that does not:
+    lengths doubling past the answer are tried, and the search goes on from one that fits."""
+
+    def fitting(t: Traced) -> bool:
+        return static + activations(t) <= budget and (host is None or host_static + t.host <= host)
 
     def fits(seq: int) -> Traced | None:
-        t = fit.at(seq, policy)
-        return t if static + activations(t) <= budget else None
+        t = fit.at(seq, policy, fitting)
+        return t if fitting(t) else None
 
     def between(lo: int, high: int) -> int:
         """Bisection between a length that fits (``lo``, or 0) and one that does not."""
@@ -366,10 +407,21 @@ def max_sequence(
             seq, step = seq - step, step * 2
         return between(max(seq - step, 0), seq)
 
-    seq = search(max(granule, fit.seqs[0] // granule * granule))  # from where the fit was traced
+    def longest(seq: int) -> int:
+        seq = search(seq)
+        probe = 2 * max(seq, granule)
+        while probe < hi:
+            if fits(probe) is not None:
+                seq = search(probe)
+                probe = 2 * seq
+            else:
+                probe *= 2
+        return seq
+
+    seq = longest(max(granule, fit.seqs[0] // granule * granule))  # from where the fit was traced
     if seq:  # confirm with a trace at the answer, and search again from there
         fit.refine(seq)
-        seq = search(seq)
+        seq = longest(seq)
     return seq, (fits(seq) if seq else None)
 
 
@@ -393,7 +445,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
     p.add_argument("--optimizer", default="adamw", choices=sorted(_OPTIMIZER_STATE))
-    p.add_argument("--checkpoint", default=",".join(_POLICIES), help="comma-separated: none, auto, full")
+    p.add_argument(
+        "--checkpoint",
+        default=",".join(_POLICIES),
+        help="comma-separated: none, auto, full, budget (the first rung that fits, as checkpoint=<bytes> takes it)",
+    )
     p.add_argument(
         "--attention",
         default="auto",
@@ -420,6 +476,17 @@ def _parser() -> argparse.ArgumentParser:
         help="plan FSDP2's CPUOffloadPolicy: parameters, gradients and optimizer state in host memory",
     )
     p.add_argument(
+        "--offload",
+        action="store_true",
+        help="weigh checkpointing rungs whose saved layer activations are in host memory (shard(offload=True))",
+    )
+    p.add_argument(
+        "--host-memory",
+        type=parse_bytes,
+        default=None,
+        help="host memory per node, e.g. 2TiB: a length fits only where the node's ranks' host bytes fit it too",
+    )
+    p.add_argument(
         "--device",
         default=None,
         help=f"the accelerator ({', '.join(DEVICES)}): its memory is --memory's default, and the step time is "
@@ -437,7 +504,7 @@ def _shards(fsdp: str, sp: int, dp: int, per_node: int) -> int:
 def _summary(args, dev, memory, placed: Placement, policy: str, seq, t: Traced | None, attention: str, seconds):
     """``autosp plan --json``'s object: one policy's figures at ``--seq`` (else at the longest
     length that fits)."""
-    took = None if t is None or dev is None else dev.step_time(t.flops, t.written, t.comm_bytes, args.sp, t.recompute)
+    took = None if t is None or dev is None else t.step_time(dev, args.sp)
     return {
         "model": args.model,
         "sp": args.sp,
@@ -453,38 +520,73 @@ def _summary(args, dev, memory, placed: Placement, policy: str, seq, t: Traced |
         "longest_sequence": seq,
         "seq": args.seq or seq,
         "per_rank_device_bytes": None if t is None else placed.device + placed.activations(t),
-        "per_rank_host_bytes": placed.host,
+        "per_rank_host_bytes": placed.host + (0 if t is None else t.host),
         "rung": None if t is None else t.rung,
         "recompute": None if t is None else t.recompute,
         "attention": attention,
-        # activations kept in host memory: none yet (the parameters' state is ``per_rank_host_bytes``)
-        "offloaded_bytes": 0,
+        "offload": args.offload,
+        # saved activations in host memory per rank (``per_rank_host_bytes`` adds the state's)
+        "offloaded_bytes": None if t is None else t.host,
         "comm_bytes_per_step": None if t is None else t.comm_bytes,
         "predicted_step_time_s": took,
         "planning_seconds": seconds,
     }
 
 
-def _longest(fit: PlanFit, policies, memory: int, placed: Placement, granule: int, sp: int, say, time_text) -> dict:
-    """Per policy, the longest sequence that fits ``memory`` per device and its figures there
-    (``max_sequence``), each said as a line."""
+def _host_text(placed: Placement, t: Traced) -> str:
+    if not t.host and not placed.host:
+        return ""
+    return f", host {(placed.host + t.host) / 2**30:.2f} GiB (activations {t.host / 2**30:.2f})"
+
+
+def _longest(
+    fit: PlanFit, policies, memory: int, placed: Placement, granule: int, sp: int, say, time_text, host=None
+) -> dict:
+    """Per policy, the longest sequence that fits ``memory`` per device (and ``host`` bytes of
+    host memory per rank) and its figures there (``max_sequence``), each said as a line."""
     gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
-    say(f"longest sequence that fits {gib(memory)} per device (bisection, multiples of {granule}):")
+    also = f" and {gib(host)} of host memory per rank" if host is not None else ""
+    say(f"longest sequence that fits {gib(memory)} per device{also} (bisection, multiples of {granule}):")
     out = {}
     for policy in policies:
         seq, t = out[policy] = max_sequence(
-            fit, policy, budget=memory, static=placed.device, granule=granule, activations=placed.activations
+            fit,
+            policy,
+            budget=memory,
+            static=placed.device,
+            granule=granule,
+            activations=placed.activations,
+            host=host,
+            host_static=placed.host,
         )
         if t is None and placed.device >= memory:
-            say(f"  checkpoint={policy:5s} none: parameters and optimizer state alone need {gib(placed.device)}")
+            say(f"  checkpoint={policy:6s} none: parameters and optimizer state alone need {gib(placed.device)}")
         elif t is None:
             need = placed.device + placed.activations(fit.at(granule, policy))
-            say(f"  checkpoint={policy:5s} none: {granule} tokens already need {gib(need)}")
+            say(f"  checkpoint={policy:6s} none: {granule} tokens already need {gib(need)}")
         else:
             say(
-                f"  checkpoint={policy:5s} {seq} tokens ({seq // sp} per rank), peak "
-                f"{gib(placed.device + placed.activations(t))}, recompute +{t.recompute:.1%} ({t.rung}){time_text(t)}"
+                f"  checkpoint={policy:6s} {seq} tokens ({seq // sp} per rank), peak "
+                f"{gib(placed.device + placed.activations(t))}{_host_text(placed, t)}, recompute "
+                f"+{t.recompute:.1%} ({t.rung}){time_text(t)}"
             )
+    return out
+
+
+def _at_seq(fit: PlanFit, policies, args, placed: Placement, fitting, say, time_text) -> dict[str, Traced]:
+    """Per policy, its figures at ``--seq``, each said as a line."""
+    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    fit.refine(args.seq)
+    say(f"at {args.seq} tokens ({args.seq // args.sp} per rank):")
+    out = {}
+    for policy in policies:
+        t = out[policy] = fit.at(args.seq, policy, fitting)
+        say(
+            f"  checkpoint={policy:6s} peak {gib(placed.device + placed.activations(t))} per rank (activations, "
+            f"gradients, temporaries {gib(placed.activations(t))}){_host_text(placed, t)}, recompute "
+            f"+{t.recompute:.1%} ({t.rung}), {t.collectives} collectives, {t.comm_bytes / 2**20:.1f} MiB sent "
+            f"per rank per step{time_text(t)}"
+        )
     return out
 
 
@@ -499,7 +601,7 @@ def main(argv=None) -> int:
     policies = [x.strip() for x in args.checkpoint.split(",") if x.strip()]
     bad = [x for x in policies if x not in _POLICIES]
     if bad:
-        ap.error(f"--checkpoint {bad}: use none, auto, full")
+        ap.error(f"--checkpoint {bad}: use none, auto, full, budget")
     try:
         dev = device(args.device) if args.device else None
     except ValueError as e:
@@ -532,6 +634,7 @@ def main(argv=None) -> int:
         dtype=dtype,
         attention=args.attention,
         ulysses=args.ulysses,
+        offload=args.offload,
     )
     kernels = sorted(
         {
@@ -547,25 +650,22 @@ def main(argv=None) -> int:
     def time_text(t: Traced) -> str:
         if dev is None:
             return ""
-        took = dev.step_time(t.flops, t.written, t.comm_bytes, args.sp, t.recompute)
-        return f", {took:.2f} s a step on {dev.name} at peak (roofline)"
+        return f", {t.step_time(dev, args.sp):.2f} s a step on {dev.name} at peak (roofline)"
 
-    at_seq: dict[str, Traced] = {}
-    if args.seq:
-        fit.refine(args.seq)
-        say(f"at {args.seq} tokens ({args.seq // args.sp} per rank):")
-        for policy in policies:
-            t = at_seq[policy] = fit.at(args.seq, policy)
-            say(
-                f"  checkpoint={policy:5s} peak {gib(placed.device + placed.activations(t))} per rank (activations, "
-                f"gradients, temporaries {gib(placed.activations(t))}), recompute +{t.recompute:.1%} ({t.rung}), "
-                f"{t.collectives} collectives, {t.comm_bytes / 2**20:.1f} MiB sent per rank per step{time_text(t)}"
-            )
-    longest = _longest(fit, policies, memory, placed, granule, args.sp, say, time_text) if memory else {}
+    # the host memory of a node, shared by its ranks
+    host = None if args.host_memory is None else args.host_memory // min(args.sp * args.dp, dev.per_node if dev else 8)
+
+    def fitting(t: Traced) -> bool:
+        on_host = host is None or placed.host + t.host <= host
+        return memory is not None and placed.device + placed.activations(t) <= memory and on_host
+
+    at_seq = _at_seq(fit, policies, args, placed, fitting, say, time_text) if args.seq else {}
+    longest = _longest(fit, policies, memory, placed, granule, args.sp, say, time_text, host) if memory else {}
     seconds = time.perf_counter() - t0
     say(f"planned in {seconds:.0f} s")
     if args.json:
-        policy = "auto" if "auto" in policies else policies[0]
+        # the longest any rung reaches where a memory is given, else the default's
+        policy = next((p for p in ("budget", "auto") if p in policies and (p != "budget" or memory)), policies[0])
         seq, t = longest.get(policy, (None, None))
         t = at_seq.get(policy, t)  # the figures at --seq, else at the longest length
         print(json.dumps(_summary(args, dev, memory, placed, policy, seq, t, attention, seconds)))

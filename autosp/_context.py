@@ -58,6 +58,11 @@ class Options:
         over the ranks, else ring attention) or a kernel every attention op must run as:
         "ulysses", "ring", "kv_gather" or "hybrid" (on ``autosp.mesh(ulysses=u)``), e.g.
         ``attention="ring"``.
+    offload: also weigh checkpointing rungs that keep the layers' saved activations in host memory
+        between the forward and the backward (torch's compiled activation offloading), one for
+        each rung that recomputes whole layers ("full, offloaded"): under "full" the least device
+        memory takes one, under "auto" one is taken where its copies (counted as bytes written
+        twice) keep it within the overhead, e.g. ``offload=True``.
     every_rung: evaluate every checkpointing rung, not just until the policy is settled
         (planning tools: ``autosp plan``), e.g. ``every_rung=True``.
     check_inputs: check at every step that the ranks of each sp group were called with the same
@@ -71,6 +76,7 @@ class Options:
     mem_weight: float = 4.0
     checkpoint: str | int = "auto"
     attention: str = "auto"
+    offload: bool = False
     every_rung: bool = False
     check_inputs: bool = True
     dynamic: bool = field(default_factory=lambda: os.environ.get("AUTOSP_DYNAMIC", "1") != "0")

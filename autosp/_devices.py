@@ -41,14 +41,23 @@ class Device:
         node, the scale-out link once the group spans nodes."""
         return self.intra_node_bandwidth if ranks <= self.per_node else self.inter_node_bandwidth
 
-    def step_time(self, flops: float, written: float, comm_bytes: float, ranks: int, overhead: float = 0.0) -> float:
+    def step_time(
+        self,
+        flops: float,
+        written: float,
+        comm_bytes: float,
+        ranks: int,
+        overhead: float = 0.0,
+        host_bytes: float = 0.0,
+    ) -> float:
         """The roofline's time for a step per rank: its flops at peak plus the bytes its ops write
         at HBM bandwidth (each op bound by one or the other: the sum bounds the longer of the two
-        from above and the time from below), ``overhead`` more for recomputation, and its
-        collectives' bytes on the link, not overlapped. A bound at 100% of peak; measured steps
-        run at a fraction of it (model FLOPs utilisation)."""
+        from above and the time from below), ``overhead`` more for recomputation, its
+        collectives' bytes on the link and ``host_bytes`` over the host link (offloaded
+        activations' copies out and back), neither overlapped. A bound at 100% of peak; measured
+        steps run at a fraction of it (model FLOPs utilisation)."""
         compute = flops / self.bf16_flops + written / self.hbm_bandwidth
-        return compute * (1.0 + overhead) + comm_bytes / self.link_bandwidth(ranks)
+        return compute * (1.0 + overhead) + comm_bytes / self.link_bandwidth(ranks) + host_bytes / self.host_bandwidth
 
 
 DEVICES = {

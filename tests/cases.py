@@ -53,6 +53,8 @@ def exactness(
     checkpoint="auto",
     attention="auto",
     ulysses: int | None = None,
+    offload: bool = False,
+    dynamic: bool | None = None,
 ) -> dict:
     """Loss and grads of the first step, and parameters after ``steps`` AdamW steps, against the
     same model trained on one device (in this process, on the full batch, on ``device``)."""
@@ -68,6 +70,8 @@ def exactness(
             compiler=compiler,
             checkpoint=checkpoint,
             attention=attention,
+            offload=offload,
+            **({} if dynamic is None else {"dynamic": dynamic}),
         )
         for i in range(steps):
             ids, labels = (t.to(device) for t in batch(kind, b, L, seed=i))
@@ -87,6 +91,7 @@ def exactness(
     out["param_err"] = max(_rel(p, q) for p, q in zip(model.parameters(), ref.parameters()))
     out["planned"] = step.plan is not None
     out["checkpoint"] = step.plan.checkpoint.chosen if step.plan is not None else None
+    out["host"] = step.plan.memory.host if step.plan is not None else 0
     out["kinds"] = sorted({c.kind for c in step.plan.collectives}) if step.plan is not None else []
     return out
 
@@ -1496,6 +1501,24 @@ def fsdp_ops(over: str) -> dict:
     return out
 
 
+def whole_layers(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with every checkpointing decision taking the last "whole layers"
+    rung it weighed (a budget weighs them; with ``offload=True`` the last is an offloaded one)."""
+    from autosp.partition import _checkpoint
+
+    select = _checkpoint.select
+
+    def last_whole(policy, rungs, peaks=None):
+        whole = [r for r in rungs if r.spec.kind == "layers"]
+        return whole[-1] if whole else select(policy, rungs, peaks)
+
+    _checkpoint.select = last_whole
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _checkpoint.select = select
+
+
 def tiled(fn, *args, min_rows: int = 8, **kwargs):
     """``fn(*args, **kwargs)`` with sequence tiling from ``min_rows`` rows a tile (the default,
     ``MIN_TILE_ROWS``, keeps the short test sequences untiled), and checkpoint="full" taking the
@@ -1506,7 +1529,7 @@ def tiled(fn, *args, min_rows: int = 8, **kwargs):
     keep, select = _tiling.MIN_TILE_ROWS, _checkpoint.select
 
     def last_tiled(policy, rungs, peaks=None):
-        tiled = [r for r in rungs if r.name.endswith(" tiles")]
+        tiled = [r for r in rungs if r.spec.tiles > 1]
         return tiled[-1] if policy == "full" and tiled else select(policy, rungs, peaks)
 
     _tiling.MIN_TILE_ROWS, _checkpoint.select = min_rows, last_tiled

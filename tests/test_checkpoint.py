@@ -72,6 +72,111 @@ def test_sequence_tiling_matches_single_device(pools, kind, b, L):
         assert Counter(none) == Counter(tiled)
 
 
+@pytest.mark.parametrize("compiler,tiled", tier([("inductor", False), ("aot_eager", True)], [("inductor", False)]))
+def test_offloaded_activations_match_single_device(pools, compiler, tiled):
+    """``offload=True`` under "full": each layer's saved values go to host memory and back by
+    torch's activation-offloading pass (copies with ``prims.device_put``; on CPU both ends are in
+    RAM), attention's outputs through a contiguous copy. The step is still one device's under the
+    defaults (Inductor, symbolic lengths: fp32, 1e-5; Inductor's fp64 grads differ from eager's
+    by 7e-8 with or without offload) and tiled (forced from 8 rows a tile; aot_eager, fp64, 1e-10
+    over 2 AdamW steps); the rung taken is an offloaded one (symbolic: weighed at 16 times the
+    first length, where it needs less memory than "full"; tiled: forced), with bytes in host
+    memory, and attention still runs as Ulysses' all-to-alls."""
+    dtype, tol = (torch.float32, 1e-5) if compiler == "inductor" else (torch.float64, 1e-10)
+    args = ("llama", 2, 96, 2, compiler, dtype, "cpu", "full", "auto", None, True, compiler == "inductor")
+    results = pools(2).run(cases.tiled, cases.exactness, *args) if tiled else pools(2).run(cases.exactness, *args)
+    for r in results:
+        loss, loss_ref = r["loss"]
+        assert abs(loss - loss_ref) <= tol * abs(loss_ref)
+        assert max(r["grad_err"].values()) <= tol
+        assert r["param_err"] <= (1e-4 if compiler == "inductor" else tol)
+        assert r["checkpoint"].endswith(", offloaded") and r["host"] > 0, r
+        assert (" tiles" in r["checkpoint"]) == tiled and "all_to_all" in r["kinds"], r
+
+
+_OFFLOADED: list = []
+
+
+def _offloaded_plan(fake_world):
+    """Every rung (``every_rung``) with offloaded twins, 2 ranks, 4096 tokens, 2 layers, once."""
+    if not _OFFLOADED:
+        fake_world(2)
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig(**{**SMALL, "layers": 2}))
+        ids = torch.randint(0, 256, (1, 4096))
+        with autosp.mesh(sp=2):
+            step = autosp.shard(
+                lambda i, y: model(i, y), compiler="aot_eager", checkpoint="full", offload=True, every_rung=True
+            )
+            _OFFLOADED.append(autosp.explain(step, ids, ids))
+    return _OFFLOADED[0]
+
+
+def test_offloaded_rungs_hold_the_layers_saved_activations_in_host_memory(fake_world):
+    """With ``offload=True`` each rung that recomputes every layer op has an offloaded twin, read
+    from its graphs after torch's pass: what the twin saves is on the device or in host memory,
+    the layers' values and their inputs in host memory (the loss's stay: its logits where the
+    head is not recomputed), the device's peak falls, and the copies count as recompute. Under
+    "full" the least device memory is taken. Plan tier, 2 ranks, 4096 tokens, 2 layers: "full +
+    loss, 4 tiles" saved 22.7 MiB -> 0.5 on the device and 22.1 on the host, peak 37.4 -> 27.1
+    MiB when written."""
+    plan = _offloaded_plan(fake_world)
+    rungs = plan.checkpoint.rungs
+    offloaded = [r for r in rungs if r.spec.offload and r.spec.kind == "full"]
+    names = ["full, offloaded", "full, 4 tiles, offloaded", "full + loss, 4 tiles, offloaded"]
+    assert [r.name for r in offloaded] == names, [r.name for r in rungs]
+    for r in offloaded[1:]:
+        twin = next(t for t in rungs if t.spec == dataclasses.replace(r.spec, offload=False))
+        assert abs(r.memory.saved + r.memory.host - twin.memory.saved) <= 0.01 * twin.memory.saved, (r, twin)
+        assert r.memory.peak < 0.8 * twin.memory.peak and r.recompute > twin.recompute, (r, twin)
+    # what stays is the loss's: its logits where the head is not recomputed, a few small values
+    loss, no_loss = offloaded[2], offloaded[1]
+    assert loss.memory.saved < 0.05 * no_loss.memory.host < no_loss.memory.saved, (loss, no_loss)
+    assert offloaded[0].memory.peak < min(r.memory.peak for r in rungs if r.spec.tiles == 1 and not r.spec.offload)
+    assert plan.checkpoint.chosen in names[1:] and "offloaded to host memory" in str(plan), str(plan)
+
+
+def test_whole_layers_keep_one_hidden_state_a_layer_and_send_their_collectives_again(fake_world):
+    """The "whole layers" rungs (weighed by budgets and planning tools) recompute each layer from
+    its input, attention and all-to-alls included, as per-layer ``torch.utils.checkpoint`` does:
+    they save about a third of what "full" saves (its attention outputs and all-to-all results
+    go), offloaded a quarter of its host bytes, and their backward sends the recomputed
+    all-to-alls again (``Rung.comm``, which "full" never does). Plan tier; 24.7 -> 8.5 MiB saved,
+    22.1 -> 6.0 MiB on the host, 6 MiB sent again when written."""
+    rungs = {r.name: r for r in _offloaded_plan(fake_world).checkpoint.rungs}
+    whole, full = rungs["whole layers, 4 tiles"], rungs["full, 4 tiles"]
+    assert whole.memory.saved < 0.4 * full.memory.saved, (whole, full)
+    off_whole, off_full = rungs["whole layers + loss, 4 tiles, offloaded"], rungs["full + loss, 4 tiles, offloaded"]
+    assert 0 < off_whole.memory.host < 0.3 * off_full.memory.host, (off_whole, off_full)
+    assert all(r.comm > 0 for r in rungs.values() if r.spec.kind == "layers")
+    assert all(r.comm == 0 for r in rungs.values() if r.spec.kind != "layers")
+    assert whole.recompute > full.recompute  # attention's forward again
+
+
+@pytest.mark.parametrize("compiler,tiled", tier([("inductor", False), ("aot_eager", True)], [("inductor", False)]))
+def test_whole_layers_match_single_device_and_run_their_all_to_alls_again(pools, compiler, tiled):
+    """A budget's "whole layers" rung (forced: the last one weighed, offloaded), under the
+    defaults (Inductor, symbolic lengths, fp32 to 1e-5) and tiled (aot_eager, fp64 to 1e-10, 2
+    AdamW steps): the step is one device's, and gloo's own events show the backward's all-to-alls
+    sent again (8 -> 12 of each size on 2 layers when written) and the all-reduces unchanged."""
+    dtype, tol = (torch.float32, 1e-5) if compiler == "inductor" else (torch.float64, 1e-10)
+    args = ("llama", 2, 96, 2, compiler, dtype, "cpu", 2**40, "auto", None, True, compiler == "inductor")
+    run = (cases.tiled, cases.whole_layers) if tiled else (cases.whole_layers,)
+    for r in pools(2).run(*run, cases.exactness, *args):
+        loss, loss_ref = r["loss"]
+        assert abs(loss - loss_ref) <= tol * abs(loss_ref)
+        assert max(r["grad_err"].values()) <= tol
+        assert r["param_err"] <= (1e-4 if compiler == "inductor" else tol)
+        assert r["checkpoint"].startswith("whole layers") and r["checkpoint"].endswith(", offloaded"), r
+        assert (" tiles" in r["checkpoint"]) == tiled and r["host"] > 0, r
+    if not tiled:
+        none = Counter(pools(2).run(cases.comm, "llama", 1, 96, "none")[0]["autosp"])
+        whole = Counter(pools(2).run(cases.whole_layers, cases.comm, "llama", 1, 96, 2**40)[0]["autosp"])
+        a2a = lambda c: sum(v for (name, _), v in c.items() if name == "gloo:all_to_all")  # noqa: E731
+        reduces = lambda c: {k: v for k, v in c.items() if k[0] == "gloo:all_reduce"}  # noqa: E731
+        assert a2a(whole) > a2a(none) and reduces(whole) == reduces(none), (none, whole)
+
+
 def _rungs(fake_world, checkpoint, seq=4096, sp=2, every_rung=False):
     fake_world(sp)
     torch.manual_seed(0)

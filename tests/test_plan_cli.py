@@ -71,7 +71,8 @@ def test_plan_json_states_device_and_host_bytes_and_shards_for_a_longer_sequence
     """``--json``: one object with the longest sequence, the bytes per rank on the device and on
     the host, the rung, the attention, the bytes sent and the roofline's step time; FSDP over the
     world fits a longer sequence than every rank holding the whole state, and host offload longer
-    still, its state on the host."""
+    still, its state on the host; with the layers' activations offloaded (``--offload``, the
+    first rung that fits: ``budget``) longer than FSDP alone, within ``--host-memory``."""
     pytest.importorskip("transformers")
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY_HF))
@@ -98,3 +99,13 @@ def test_plan_json_states_device_and_host_bytes_and_shards_for_a_longer_sequence
     assert whole["longest_sequence"] < world["longest_sequence"] < offload["longest_sequence"], (whole, world, offload)
     assert whole["per_rank_host_bytes"] == world["per_rank_host_bytes"] == 0 < offload["per_rank_host_bytes"]
     assert world["predicted_step_time_s"] > 0 and whole["predicted_step_time_s"] is None
+    # "budget" with --offload: the first rung that fits, offloaded ones among them, reaches further;
+    # host memory bounds it where it is given
+    budget = plan("--fsdp", "world", "--offload", "--checkpoint", "budget")
+    assert budget["longest_sequence"] > world["longest_sequence"] and budget["checkpoint"] == "budget", budget
+    assert budget["offloaded_bytes"] > 0 and budget["per_rank_host_bytes"] == budget["offloaded_bytes"], budget
+    assert budget["rung"].endswith(", offloaded"), budget
+    host = budget["offloaded_bytes"] * 4 // 2  # a node's host memory for half of the 4 ranks' offloaded bytes
+    bounded = plan("--fsdp", "world", "--offload", "--checkpoint", "budget", "--host-memory", str(host))
+    assert bounded["longest_sequence"] < budget["longest_sequence"], (bounded, budget)
+    assert bounded["per_rank_host_bytes"] <= host // 4, bounded

@@ -278,6 +278,7 @@ def _checkpoint(c: Compile, ctx: SpContext) -> None:
             smallest=smallest_over_ranks(ctx) if symbolic else None,
             tiled=functools.partial(per_rank_graph, c, ctx, tiled=True) if c.tiling is not None else None,
             tiles=c.tiling.count if c.tiling is not None else 1,
+            offload=ctx.options.offload,
             **c.kwargs,
         )
     # a symbolic compile serves the lengths that make its tile count only where the count

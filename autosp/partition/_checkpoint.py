@@ -16,14 +16,17 @@ MLP, the projections, the vocabulary projection and their gradients alive at a t
 "full, N tiles", and "full + loss, N tiles", which also recomputes the ops after the last layer
 (final norm, vocabulary projection, loss), tile by tile, instead of keeping the logits. They are
 built where the local sequence holds two tiles of ``MIN_TILE_ROWS`` and the policy may take them.
+With ``shard(offload=True)`` each rung that recomputes every layer op has an offloaded twin, its
+saved layer activations in host memory between the forward and the backward (``_offload``).
 Each rung's memory is predicted from its partitioned graphs (under "auto", but for the first and
 the one taken, priced from the first's: ``_Priced``); the policy picks one:
 
 - ``"none"``: the partitioner's own choice (torch.compile's default); recompute tags the model
   set itself (``torch.utils.checkpoint`` inside the step) are replaced under every policy;
 - ``"full"``: the least memory of the rungs that recompute every layer op ("full" and the tiled
-  ones; reported under the name of the last threshold rung when that one already tags the same
-  ops);
+  and offloaded ones; reported under the name of the last threshold rung when that one already
+  tags the same ops; on a symbolic length read at ``AUTO_LONGER`` times the first length, as
+  "auto" reads it);
 - ``"auto"``: the least memory whose recompute costs at most ``AUTO_OVERHEAD`` of the step
   (on a symbolic length, both read at ``AUTO_LONGER`` times the first length: one rung serves
   every length, and it is the one that holds memory down where memory runs out);
@@ -55,6 +58,7 @@ from ..errors import PlanError
 from ._fsdp import GATHER as _FSDP_GATHER
 from ._fsdp import fsdp_tags
 from ._memory import MemoryEstimate, _nbytes, at_length, estimate_memory, sequence_peak
+from ._offload import offload_saved
 
 __all__ = ["Checkpoint", "Rung", "RungSpec", "checkpoint_partition", "select"]
 
@@ -87,28 +91,30 @@ Tags = dict[str, CheckpointPolicy]  # node name -> recompute tag
 @dataclass(frozen=True, slots=True)
 class RungSpec:
     """What a rung recomputes: nothing (``kind`` "none"), the layer ops whose recompute costs at
-    most ``threshold`` flop-equivalents per byte kept ("threshold"), or every layer op ("full"),
-    with ``loss`` also the ops after the last layer; on a graph tiled in ``tiles`` along the
+    most ``threshold`` flop-equivalents per byte kept ("threshold"), every layer op but attention
+    and collectives ("full"), or every one ("layers": whole layers, from their inputs), with
+    ``loss`` also the ops after the last layer; on a graph tiled in ``tiles`` along the
     sequence (1: untiled)."""
 
     kind: str
     threshold: float | None = None
     loss: bool = False
     tiles: int = 1
+    offload: bool = False  # the layers' saved activations in host memory (``_offload``)
 
     @property
     def name(self) -> str:
-        """'none', 'recompute <= 16 flop/B', 'full', 'full + loss, 8 tiles'."""
+        """'none', 'recompute <= 16 flop/B', 'full', 'whole layers + loss, 8 tiles, offloaded'."""
         if self.kind == "threshold":
             base = f"recompute <= {self.threshold:.3g} flop/B"
         else:
-            base = "full + loss" if self.loss else self.kind
-        return base + (f", {self.tiles} tiles" if self.tiles > 1 else "")
+            base = ("whole layers" if self.kind == "layers" else self.kind) + (" + loss" if self.loss else "")
+        return base + (f", {self.tiles} tiles" if self.tiles > 1 else "") + (", offloaded" if self.offload else "")
 
     @property
     def key(self) -> tuple:
         """The same rung at another length (whose tile count may differ)."""
-        return self.kind, self.threshold, self.loss, self.tiles > 1
+        return self.kind, self.threshold, self.loss, self.tiles > 1, self.offload
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +136,10 @@ class Rung:
     # (``_Ladder.work``): a device's time for it (``autosp plan --device``)
     flops: float = 0.0
     written: float = 0.0
+    # bytes per rank the backward's recomputed collectives send (whole layers), beyond the plan's
+    comm: float = 0.0
+    # the part of ``recompute`` that recomputes attention (whole layers)
+    recompute_attention: float = 0.0
 
     @property
     def name(self) -> str:
@@ -138,6 +148,12 @@ class Rung:
     @property
     def overhead(self) -> float:
         return self.recompute / max(self.step, 1.0)
+
+    @property
+    def copies(self) -> float:
+        """The part of ``overhead`` an offloaded rung's copies to the host and back make (its
+        ``memory.host`` bytes, each written twice)."""
+        return 2 * self.memory.host * MACHINE_BALANCE / max(self.step, 1.0)
 
     @property
     def weighed(self) -> tuple[int, float]:
@@ -180,7 +196,7 @@ class Checkpoint:
             + (f" ({mib(r.longer[1])}, +{r.longer[2]:.1%} at {r.longer[0]})" if r.longer else "")
             for r in shown.values()
         )
-        longer = _longer(self.rungs) if self.policy == "auto" else None
+        longer = _longer(self.rungs) if self.policy in ("auto", "full") else None
         at = f" (weighed at {longer} tokens, for every length)" if longer else ""
         priced = "; ~: priced from the first rung's partition" if any(r.priced for r in self.rungs) else ""
         return f"checkpoint={self.policy}: chose {self.chosen!r}{at} of [{rows}]{priced}" + (
@@ -199,9 +215,10 @@ def select(policy, rungs: list[Rung], peaks: list[int] | None = None) -> Rung:
     a budget against (the largest over the ranks), by default the rung's own prediction."""
     if policy == "none":
         return rungs[0]
-    if policy == "full":  # the least memory of the rungs that recompute every layer op
+    if policy == "full":  # the least memory of the rungs that recompute every layer op (as "auto" weighs it)
         full = [r for r in rungs if r.spec.kind == "full"] or rungs[-1:]
-        return min(full, key=lambda r: (r.memory.peak, r.recompute))
+        peak = (lambda r: r.weighed[0]) if _longer(full) else (lambda r: r.memory.peak)
+        return min(full, key=lambda r: (peak(r), r.recompute))
     if policy == "auto":  # at the longer length where every rung has one (a symbolic length)
         weigh = (lambda r: r.weighed) if _longer(rungs) else (lambda r: (r.memory.peak, r.overhead))
         fits = [r for r in rungs if weigh(r)[1] <= AUTO_OVERHEAD] or rungs[:1]
@@ -439,6 +456,12 @@ def _layer_tags(
     }
     if head_tags:
         rungs.append((RungSpec("full", loss=True, tiles=tiles), with_getitems({**full, **head_tags})))
+    # whole layers: attention and collectives recomputed too (random ops kept: their draws)
+    random = {nd.name: CheckpointPolicy.MUST_SAVE for nd in fwd if kinds[nd] == "random"}
+    whole = {**{nd.name: CheckpointPolicy.PREFER_RECOMPUTE for nd in fwd if kinds[nd] != "getitem"}, **random}
+    rungs.append((RungSpec("layers", tiles=tiles), with_getitems(whole)))
+    if head_tags:
+        rungs.append((RungSpec("layers", loss=True, tiles=tiles), with_getitems({**whole, **head_tags})))
     return rungs, regions
 
 
@@ -454,6 +477,7 @@ class _Ladder:
     regions: dict[str, int]
     cost: dict[str, float]
     longer: tuple[int, Callable, dict[str, float]] | None = None
+    layers: frozenset[str] = frozenset()  # the forward ops inside the repeated blocks (not the head's)
 
     @classmethod
     def of(cls, gm: fx.GraphModule, tiles: int = 1, longer: tuple[int, Callable] | None = None) -> _Ladder:
@@ -470,7 +494,7 @@ class _Ladder:
                 longer = (length, read, {nd.name: _cost(nd, read) for nd in ops})
             except _UNREAD:
                 longer = None
-        return cls(gm, rungs, regions, cost, longer)
+        return cls(gm, rungs, regions, cost, longer, frozenset(nd.name for nd in _forward_ops(gm)))
 
     def cost_of(self, nd: fx.Node, longer: bool = False) -> float:
         """A node's cost (at the longer length); a backward node is named as the forward op it
@@ -501,14 +525,28 @@ class _Ladder:
         ops = [nd for nd in self.graph.graph.nodes if nd.op == "call_function" and _kind(nd) not in ("view", "getitem")]
         return sum(_flops(nd) for nd in ops), float(sum(out_bytes(nd) for nd in ops))
 
-    def recompute_cost(self, fw: fx.GraphModule, bw: fx.GraphModule, longer: bool = False) -> float:
+    def recompute_cost(self, fw: fx.GraphModule, bw: fx.GraphModule, tags: Tags, longer: bool = False) -> float:
         """What the backward recomputes (FSDP's parameter gathers are communication, as FSDP2 runs
-        them in every setting, not activation recompute)."""
+        them in every setting, not activation recompute): its ops that the forward ran, and the
+        attention ops ``tags`` recompute (``attention_again``)."""
         fw_names = {nd.name for nd in fw.graph.nodes if nd.op == "call_function"}
-        return sum(
+        return self.attention_again(tags, longer) + sum(
             self.cost_of(nd, longer)
             for nd in bw.graph.nodes
-            if nd.op == "call_function" and nd.name in fw_names and nd.target is not _FSDP_GATHER
+            if nd.op == "call_function"
+            and nd.name in fw_names
+            and nd.target is not _FSDP_GATHER
+            and _kind(nd) != "attention"
+        )
+
+    def attention_again(self, tags: Tags, longer: bool = False) -> float:
+        """The attention ops ``tags`` recompute (whole layers), read from the tags: SDPA carries
+        torch's random tag, so the partitioner recomputes it inside its RNG-state wrapper, under
+        another name in the backward."""
+        return sum(
+            self.cost_of(nd, longer)
+            for nd in self.graph.graph.nodes
+            if nd.op == "call_function" and tags.get(nd.name) in _RECOMPUTED and _kind(nd) == "attention"
         )
 
 
@@ -617,32 +655,70 @@ class _Partitioner:
 
     def __call__(self, ladder: _Ladder, spec: RungSpec, tags: Tags):
         """(Rung, forward, backward); on a tiled ``ladder``, the tiles' joins and partial sums
-        count as recompute (views, the tiles' slices, write nothing)."""
+        count as recompute (views, the tiles' slices, write nothing); an offloaded rung's copies
+        to the host and back count as writing their bytes twice."""
         g = _tagged_copy(ladder.graph, tags, ladder.regions)
         fw, bw = partitioners.min_cut_rematerialization_partition(
             g, self.joint_inputs, num_fwd_outputs=self.num_fwd_outputs, **self.kwargs
         )
         _drop_dead_collectives(bw)
+        if spec.offload:
+            offload_saved(fw, bw, self.num_fwd_outputs, ladder.layers)
         memory = estimate_memory(fw, bw, self.num_fwd_outputs)
 
-        def recompute(longer: bool = False) -> float:
+        def recompute(longer: bool = False, host: int = memory.host) -> float:
             extra = max(ladder.written(longer) - self.base.written(longer), 0.0) if ladder is not self.base else 0.0
-            return ladder.recompute_cost(fw, bw, longer) + extra
+            return ladder.recompute_cost(fw, bw, tags, longer) + extra + 2 * host * MACHINE_BALANCE
 
         step, attention = self.base.total()
         longer = None
         if ladder.longer is not None and self.base.longer is not None:
             length, read, _ = ladder.longer
             try:
-                peak = estimate_memory(fw, bw, self.num_fwd_outputs, read).peak
-                longer = (length, peak, recompute(True) / max(self.base.total(True)[0], 1.0))
+                there = estimate_memory(fw, bw, self.num_fwd_outputs, read)
+                longer = (length, there.peak, recompute(True, there.host) / max(self.base.total(True)[0], 1.0))
             except _UNREAD:
                 longer = None
         flops, written = self.base.work
-        return Rung(spec, memory, recompute(), step, attention, longer, flops=flops, written=written), fw, bw
+        rung = Rung(
+            spec,
+            memory,
+            recompute(),
+            step,
+            attention,
+            longer,
+            flops=flops,
+            written=written,
+            comm=_resent(fw, bw),
+            recompute_attention=ladder.attention_again(tags),
+        )
+        return rung, fw, bw
 
 
 _RECOMPUTED = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
+# bytes a rank sends for a functional collective, per byte of its (local) input, in a group of n
+# (the ring model of ``propagate._placement.transfer_bytes``, on local sizes)
+_SENT = {
+    "all_to_all_single": lambda n: (n - 1) / n,
+    "all_gather_into_tensor": lambda n: n - 1,
+    "reduce_scatter_tensor": lambda n: (n - 1) / n,
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+}
+
+
+def _resent(fw: fx.GraphModule, bw: fx.GraphModule) -> float:
+    """Bytes per rank the backward's recomputed collectives send (whole layers)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    done = {nd.name for nd in fw.graph.nodes if nd.op == "call_function"}
+    total = 0.0
+    for nd in bw.graph.nodes:
+        name = getattr(getattr(nd.target, "overloadpacket", None), "__name__", None)
+        if nd.op == "call_function" and nd.name in done and name in _SENT:
+            args = op_args(nd)
+            n = _resolve_process_group(args["group_name"]).size()
+            total += _SENT[name](n) * _nbytes(args["input"].meta.get("val"))
+    return total
 
 
 class _Unpriced(Exception):
@@ -834,6 +910,25 @@ def _climb(ladder: _Ladder, rungs, partition: _Partitioner, policy, every_rung: 
     return results, settled
 
 
+def _beyond(ladder: _Ladder, partition: _Partitioner, tiled, tiles: int, longer, every_rung: bool, offload: bool):
+    """The rungs past the untiled "full", partitioned, in the order a budget takes them: the tiled
+    "full" ones, the offloaded twins of all "full" ones (``offload``), then (budgets and
+    ``every_rung``: they send their collectives again) the "whole layers" ones, untiled and tiled,
+    and their offloaded twins."""
+    more = [(ladder, spec, tags) for spec, tags in ladder.rungs]
+    if tiled is not None:
+        tiled_ladder = _Ladder.of(tiled(), tiles, longer)
+        more += [(tiled_ladder, spec, tags) for spec, tags in tiled_ladder.rungs]
+    full = [r for r in more if r[1].kind == "full"]
+    layers = [r for r in more if r[1].kind == "layers"] if every_rung else []
+
+    def twins(rungs: list) -> list:
+        return [(lad, dataclasses.replace(spec, offload=True), tags) for lad, spec, tags in rungs] if offload else []
+
+    todo = [r for r in full if r[0] is not ladder] + twins(full) + layers + twins(layers)
+    return [partition(*r) for r in todo]
+
+
 def checkpoint_partition(
     gm: fx.GraphModule,
     joint_inputs,
@@ -845,6 +940,7 @@ def checkpoint_partition(
     smallest=None,
     tiled: Callable[[], fx.GraphModule] | None = None,
     tiles: int = 1,
+    offload: bool = False,
     **kwargs,
 ):
     """Partition the per-rank joint graph under ``policy``: (forward, backward, Checkpoint). The
@@ -854,33 +950,31 @@ def checkpoint_partition(
     uneven shards (or K/V-gathered attention, whose first rank runs one block fewer) predict
     different peaks, and every rank must take the same decision, or raise the same error.
     ``tiled``: makes the same graph tiled in ``tiles`` along the sequence (``_tiling``); its "full"
-    and "full + loss" rungs end the ladder, evaluated when the policy may want less memory than
-    the untiled "full" gives. ``smallest``, on a symbolic length: per rung, the least of a value
+    and "full + loss" rungs follow the ladder, evaluated when the policy may want less memory than
+    the untiled "full" gives, then (budgets and ``every_rung``) the "whole layers" rungs, untiled
+    and tiled. ``smallest``, on a symbolic length: per rung, the least of a value
     over the ranks; with it, a budget's decision says the lengths it holds for
-    (``Checkpoint.lengths``, ``_budget_lengths``)."""
+    (``Checkpoint.lengths``, ``_budget_lengths``). ``offload``: each rung that recomputes every
+    layer op also has a twin whose saved layer activations are in host memory (``_offload``),
+    weighed after it."""
     check_policy(policy)
     every_rung = every_rung or isinstance(policy, int)
     longer = None
-    found = _length_symbol(gm) if policy == "auto" else None
+    found = _length_symbol(gm) if policy in ("auto", "full") else None
     if found is not None:  # a symbolic length: one rung for every length, weighed at a longer one
         symbol, start = found
         longer = (AUTO_LONGER * start, at_length(symbol, AUTO_LONGER * start))
     ladder = _Ladder.of(gm, longer=longer)
     partition = _Partitioner(joint_inputs, num_fwd_outputs, kwargs, ladder)
-    rungs = ladder.rungs
+    rungs = [(spec, tags) for spec, tags in ladder.rungs if spec.kind != "layers"]
     if policy in ("none", "full") and not every_rung:
         rungs = rungs[:1] if policy == "none" else rungs[-1:]
     results, settled, pricing = _evaluate(ladder, rungs, partition, policy, every_rung)
-    # the tiled rungs: where the walk reached "full" (a budget or a planning tool: always, and a
-    # budget alike on every rank)
+    # the tiled and offloaded rungs: where the walk reached "full" (a budget or a planning tool:
+    # always, and a budget alike on every rank)
     weighs_tiles = policy != "none" and rungs[-1][0].kind == "full" and (every_rung or not settled)
-    results_tiled = []
-    if tiled is not None and weighs_tiles:
-        tiled_ladder = _Ladder.of(tiled(), tiles, longer)
-        results_tiled = [
-            partition(tiled_ladder, spec, tags) for spec, tags in tiled_ladder.rungs if spec.kind == "full"
-        ]
-        results += results_tiled
+    beyond = _beyond(ladder, partition, tiled, tiles, longer, every_rung, offload) if weighs_tiles else []
+    results += beyond
     evaluated = [r for r, _, _ in results]
     peaks = [r.memory.peak for r in evaluated]
     if largest is not None and isinstance(policy, int):
@@ -891,7 +985,7 @@ def checkpoint_partition(
         if checked is None:  # the priced choice is past the overhead, partitioned: climb as without pricing
             log.info("autosp: checkpoint=auto: rung %r priced under the overhead is over it; climbing", rung.name)
             results, settled = _climb(ladder, rungs, partition, policy, every_rung)
-            results += results_tiled
+            results += beyond
             evaluated = [r for r, _, _ in results]
             rung = select(policy, evaluated, [r.memory.peak for r in evaluated])
         else:

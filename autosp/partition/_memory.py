@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import sympy
 import torch
 import torch.fx as fx
+from torch._functorch._activation_offloading.activation_offloading import CPU_OFFLOAD_PREFIX
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -37,7 +38,7 @@ from .._graph import hint, op_args
 from ..propagate._local import PARAMETERS, TOKEN_LOCAL, TOKEN_LOCAL_BACKWARD, run_backward, run_forward
 from ._attention import RING, RING_BACKWARD
 
-__all__ = ["MemoryEstimate", "estimate_memory", "graph_peak", "sequence_peak", "at_length"]
+__all__ = ["MemoryEstimate", "estimate_memory", "graph_peak", "sequence_peak", "at_length", "on_host"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,16 +52,19 @@ class MemoryEstimate:
     saved: int
     forward_peak: int
     backward_peak: int
+    host: int = 0  # saved activations held in host memory between the forward and the backward
 
     @property
     def peak(self) -> int:
+        """On the device (what a host-offloaded activation takes is ``host``)."""
         return max(self.forward_peak, self.backward_peak)
 
     def __str__(self) -> str:
         mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
+        host = f", offloaded to host memory {mib(self.host)}" if self.host else ""
         return (
             f"predicted peak memory per rank: {mib(self.peak)} beyond parameters ({mib(self.params)}) "
-            f"and optimizer state; saved activations {mib(self.saved)}, gradients {mib(self.grads)}, "
+            f"and optimizer state; saved activations {mib(self.saved)}{host}, gradients {mib(self.grads)}, "
             f"forward peak {mib(self.forward_peak)}, backward peak {mib(self.backward_peak)}"
         )
 
@@ -223,6 +227,16 @@ def _workspace(nd: fx.Node, read: Callable = hint) -> int:
     return int(factor * _nbytes(query.meta.get("val"), read)) if isinstance(query, fx.Node) else 0
 
 
+def on_host(nd: fx.Node) -> bool:
+    """Whether ``nd``'s value is a saved activation in host memory, put there by torch's compiled
+    activation offloading (``_offload``): the forward's copy to the host, the backward's input
+    holding it (on a CPU graph both are on "cpu" as well; they are told apart by the pass's own
+    marks)."""
+    if nd.op == "placeholder":
+        return bool(nd.meta.get("saved_for_offloading"))
+    return nd.target is torch.ops.prims.device_put.default and nd.name.startswith(CPU_OFFLOAD_PREFIX)
+
+
 def graph_peak(gm: fx.GraphModule, counted_inputs: set[str], read: Callable = hint) -> tuple[int, int]:
     """(peak, live at the end) in bytes for one run of ``gm``: placeholders named in
     ``counted_inputs`` count from the start (freed after their last use);
@@ -271,7 +285,9 @@ def sequence_peak(
 
     for i, nd in enumerate(nodes):
         if nd in inputs:
-            hold(nd, [new(_nbytes(nd.meta.get("val"), read), inputs[nd])])
+            hold(nd, [new(_nbytes(nd.meta.get("val"), read), inputs[nd] and not on_host(nd))])
+        elif on_host(nd):
+            hold(nd, [new(0)])
         elif nd.op == "call_function":
             if nd.target is operator.getitem and nd.args[0] in storage:
                 src = storage[nd.args[0]]
@@ -310,8 +326,9 @@ def estimate_memory(
     # tangents; its outputs, the gradients, stay
     saved = {nd.name for nd in bw.graph.find_nodes(op="placeholder") if nd.name not in primals}
     bw_peak, bw_end = graph_peak(bw, saved, read)
+    host = sum(_nbytes(nd.meta.get("val"), read) for nd in bw.graph.find_nodes(op="placeholder") if on_host(nd))
     outs = list(bw.graph.output_node().args[0])
     grads = bw_end  # what stays after the backward: the gradients (buckets counted once)
     # the inputs that get a gradient (AOTAutograd returns one per input, None where none)
     params = sum(_nbytes(p.meta.get("val"), read) for p, a in zip(inputs, outs) if isinstance(a, fx.Node))
-    return MemoryEstimate(params=params, grads=grads, saved=fw_end, forward_peak=fw_peak, backward_peak=bw_peak)
+    return MemoryEstimate(params, grads, fw_end, fw_peak, bw_peak, host)

@@ -289,8 +289,7 @@ class PlanFit:
         if policy == "budget":
             traced = [self._traced(policy, rung, seq) for rung in rungs]
             return next((t for t in traced if fits is not None and fits(t)), min(traced, key=lambda t: t.activations))
-        # "auto" and "full" never weigh whole layers (they send collectives again): budgets do
-        return self._traced(policy, select(policy, [r for r in rungs if r.spec.kind != "layers"]), seq)
+        return self._traced(policy, select(policy, rungs), seq)
 
     def _traced(self, policy: str, rung, seq: int) -> Traced:
         m = rung.memory

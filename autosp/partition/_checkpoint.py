@@ -18,7 +18,10 @@ MLP, the projections, the vocabulary projection and their gradients alive at a t
 built where the local sequence holds two tiles of ``MIN_TILE_ROWS`` and the policy may take them.
 With ``shard(offload=True)`` each rung that recomputes every layer op has an offloaded twin, its
 saved layer activations in host memory between the forward and the backward (``_offload``).
-Each rung's memory is predicted from its partitioned graphs (under "auto", but for the first and
+Budgets (and ``every_rung``) also weigh "whole layers" rungs, untiled and tiled: every layer op
+recomputed from the layer's input, attention and collectives included, as per-layer
+``torch.utils.checkpoint`` does; they send the layers' collectives again, so "auto" and "full"
+never take them. Each rung's memory is predicted from its partitioned graphs (under "auto", but for the first and
 the one taken, priced from the first's: ``_Priced``); the policy picks one:
 
 - ``"none"``: the partitioner's own choice (torch.compile's default); recompute tags the model
@@ -27,9 +30,10 @@ the one taken, priced from the first's: ``_Priced``); the policy picks one:
   and offloaded ones; reported under the name of the last threshold rung when that one already
   tags the same ops; on a symbolic length read at ``AUTO_LONGER`` times the first length, as
   "auto" reads it);
-- ``"auto"``: the least memory whose recompute costs at most ``AUTO_OVERHEAD`` of the step
-  (on a symbolic length, both read at ``AUTO_LONGER`` times the first length: one rung serves
-  every length, and it is the one that holds memory down where memory runs out);
+- ``"auto"``: the least memory (whole layers aside) whose recompute costs at most
+  ``AUTO_OVERHEAD`` of the step (on a symbolic length, both read at ``AUTO_LONGER`` times the
+  first length: one rung serves every length, and it is the one that holds memory down where
+  memory runs out);
 - an int: a budget in bytes per rank for the step's peak beyond parameters and optimizer
   state; the cheapest rung that fits, or an error naming the smallest budget that fits.
 """
@@ -196,12 +200,17 @@ class Checkpoint:
             + (f" ({mib(r.longer[1])}, +{r.longer[2]:.1%} at {r.longer[0]})" if r.longer else "")
             for r in shown.values()
         )
-        longer = _longer(self.rungs) if self.policy in ("auto", "full") else None
+        longer = _longer(_unsent(self.rungs)) if self.policy in ("auto", "full") else None
         at = f" (weighed at {longer} tokens, for every length)" if longer else ""
         priced = "; ~: priced from the first rung's partition" if any(r.priced for r in self.rungs) else ""
         return f"checkpoint={self.policy}: chose {self.chosen!r}{at} of [{rows}]{priced}" + (
             f"; {self.note}" if self.note else ""
         )
+
+
+def _unsent(rungs) -> list:
+    """The rungs that send nothing again (all but whole layers: a budget's only)."""
+    return [r for r in rungs if r.spec.kind != "layers"]
 
 
 def _longer(rungs) -> int | None:
@@ -220,6 +229,7 @@ def select(policy, rungs: list[Rung], peaks: list[int] | None = None) -> Rung:
         peak = (lambda r: r.weighed[0]) if _longer(full) else (lambda r: r.memory.peak)
         return min(full, key=lambda r: (peak(r), r.recompute))
     if policy == "auto":  # at the longer length where every rung has one (a symbolic length)
+        rungs = _unsent(rungs)
         weigh = (lambda r: r.weighed) if _longer(rungs) else (lambda r: (r.memory.peak, r.overhead))
         fits = [r for r in rungs if weigh(r)[1] <= AUTO_OVERHEAD] or rungs[:1]
         return min(fits, key=weigh)

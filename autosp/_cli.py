@@ -483,7 +483,8 @@ def _parser() -> argparse.ArgumentParser:
         "--host-memory",
         type=parse_bytes,
         default=None,
-        help="host memory per node, e.g. 2TiB: a length fits only where the node's ranks' host bytes fit it too",
+        help="host memory per node, e.g. 2TiB: a length fits only where the node's ranks' host bytes fit it too "
+        "(a check of the plan's: shard's budget holds device memory only)",
     )
     p.add_argument(
         "--device",

@@ -59,10 +59,11 @@ class Options:
         "ulysses", "ring", "kv_gather" or "hybrid" (on ``autosp.mesh(ulysses=u)``), e.g.
         ``attention="ring"``.
     offload: also weigh checkpointing rungs that keep the layers' saved activations in host memory
-        between the forward and the backward (torch's compiled activation offloading), one for
-        each rung that recomputes whole layers ("full, offloaded"): under "full" the least device
-        memory takes one, under "auto" one is taken where its copies (counted as bytes written
-        twice) keep it within the overhead, e.g. ``offload=True``.
+        between the forward and the backward (torch's compiled activation offloading): a twin of
+        each "full" rung, tiled or not ("full, offloaded"), and under a budget of each "whole
+        layers" rung. Under "full" the least device memory takes one; under "auto" one is taken
+        where its copies (counted as bytes written twice, at this CPU's balance, not a host
+        link's) keep it within the overhead, e.g. ``offload=True``.
     every_rung: evaluate every checkpointing rung, not just until the policy is settled
         (planning tools: ``autosp plan``), e.g. ``every_rung=True``.
     check_inputs: check at every step that the ranks of each sp group were called with the same

@@ -550,6 +550,8 @@ class _Ladder:
         )
 
     def attention_again(self, tags: Tags, longer: bool = False) -> float:
+        # (a recomputed ring attention's sends are not in ``Rung.comm``, which counts functional
+        # collectives: ``_resent``)
         """The attention ops ``tags`` recompute (whole layers), read from the tags: SDPA carries
         torch's random tag, so the partitioner recomputes it inside its RNG-state wrapper, under
         another name in the backward."""
@@ -612,19 +614,26 @@ def _budget_lengths(results, rung: Rung, budget: int, num_fwd_outputs: int, smal
     rung the budget takes on every rank (its peak fits up to hi on the rank that needs most; no
     rung before it fits from lo on), or None (no single length symbol, or
     peaks that do not grow with it). ``smallest``: per rung, the least over the sp ranks (an
-    exchange every rank makes; an empty list where this rank has no bound to offer)."""
+    exchange every rank makes; an empty list where this rank has no bound to offer). Only the
+    rung taken and those before it are read (a budget takes the first that fits); where one of
+    them has a size with another symbol (a recomputed SDPA's RNG state), the rung is guarded to
+    the first length alone."""
     found = _length_symbol(results[0][1])
-    limits = []
+    i = next(j for j, (r, _, _) in enumerate(results) if r is rung)
+    limits, unread = [], False
     if found is not None:
         symbol, start = found
         try:
-            limits = [_fit_limit(fw, bw, num_fwd_outputs, budget, symbol, start) for _, fw, bw in results]
+            limits = [_fit_limit(fw, bw, num_fwd_outputs, budget, symbol, start) for _, fw, bw in results[: i + 1]]
         except _UNREAD:  # the graphs' inputs have one symbol only; a size may have another
-            limits = []  # no bound: every rank still exchanges, and none guards
+            limits, unread = [], True  # every rank still exchanges
     limits = smallest(limits)
-    if not limits or found is None:
+    if found is None:
         return None
-    i = next(j for j, (r, _, _) in enumerate(results) if r is rung)
+    if unread:
+        return symbol, start, start
+    if not limits:
+        return None
     lo = max(limits[:i]) + 1 if i else None  # the rungs before it: preferred where they fit
     hi = limits[i] if limits[i] < LONGEST else None
     if (lo is not None and lo > start) or (hi is not None and hi < start):
@@ -717,7 +726,8 @@ _SENT = {
 
 
 def _resent(fw: fx.GraphModule, bw: fx.GraphModule) -> float:
-    """Bytes per rank the backward's recomputed collectives send (whole layers)."""
+    """Bytes per rank the backward's recomputed functional collectives send (whole layers; a
+    recomputed ring attention op's own sends are not counted)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     done = {nd.name for nd in fw.graph.nodes if nd.op == "call_function"}

@@ -7,8 +7,8 @@ compiled activation-offloading pass (``torch._functorch._activation_offloading``
 copy to the host after the value's last forward use, a copy back before its first backward use
 (``prims.device_put``, non-blocking), so a layer's saved values are on the device only while its
 forward and its backward run. The pass's separate-stream variant (``activation_offload_separate
-_stream``, with reloads prefetched) is not turned on: it times ops on the device to place its
-prefetches, which a plan traced on fake tensors cannot. The pass keeps an output of a
+_stream``, with reloads prefetched) is turned off here, whatever torch's config says: it times
+ops on the device to place its prefetches, which a plan traced on fake tensors cannot. The pass keeps an output of a
 multi-output op (a ``getitem``: attention's output and log-sum-exp), a view and a non-contiguous
 value where they are; such a value is copied once on the device into a contiguous tensor and
 the copy moves. Memory reads the pass's marks
@@ -20,18 +20,19 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch._functorch import config as functorch_config
 from torch._functorch._activation_offloading.activation_offloading import enable_activation_offloading
 from torch._functorch.partitioners import get_default_op_list
 from torch._subclasses.fake_tensor import extract_tensor_metadata
 from torch.utils._ordered_set import OrderedSet
-from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils._pytree import tree_leaves
 
 aten = torch.ops.aten
 
 __all__ = ["offload_saved"]
 
 
-def _copied(fw: fx.GraphModule, bw: fx.GraphModule, nd: fx.Node) -> fx.Node:
+def _copied(fw: fx.GraphModule, bw: fx.GraphModule, nd: fx.Node, num_fwd_outputs: int) -> fx.Node:
     """A copy of the saved ``nd`` handed to the backward in its place, under the name the
     backward's input takes (torch's pass pairs the two by name)."""
     name = f"{nd.name}_saved"
@@ -41,9 +42,13 @@ def _copied(fw: fx.GraphModule, bw: fx.GraphModule, nd: fx.Node) -> fx.Node:
     val = nd.meta["val"].clone(**kwargs)
     copy.meta.update(val=val, tensor_meta=extract_tensor_metadata(val))
     out = fw.graph.output_node()
-    out.args = tree_map_only(fx.Node, lambda a: copy if a is nd else a, out.args)
+    outs = list(out.args[0])
+    outs[num_fwd_outputs:] = [copy if a is nd else a for a in outs[num_fwd_outputs:]]  # saved only
+    out.args = (tuple(outs), *out.args[1:])
     ph = next(p for p in bw.graph.find_nodes(op="placeholder") if p.name == nd.name)
-    ph._rename(name)
+    ph._rename(copy.name)
+    if ph.name != copy.name:
+        raise AssertionError(f"autosp: offload: the backward's input {ph.name} is not named as the copy {copy.name}")
     ph.target = ph.name
     ph.meta.update(copy.meta)
     return copy
@@ -59,8 +64,9 @@ def offload_saved(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, 
             continue
         if nd.name in layers or any(u.name in layers for u in nd.users):
             moved = nd.target is operator.getitem or views.is_view(nd) or not nd.meta["val"].is_contiguous()
-            (_copied(fw, bw, nd) if moved else nd).meta["should_offload"] = True
-    enable_activation_offloading(fw, bw, num_fwd_outputs, OrderedSet())
+            (_copied(fw, bw, nd, num_fwd_outputs) if moved else nd).meta["should_offload"] = True
+    with functorch_config.patch(activation_offload_separate_stream=False):  # see the module's docstring
+        enable_activation_offloading(fw, bw, num_fwd_outputs, OrderedSet())
     fw.recompile()
     bw.recompile()
     return sum(1 for nd in bw.graph.find_nodes(op="placeholder") if nd.meta.get("saved_for_offloading"))

@@ -372,19 +372,26 @@ def _head_ops(gm: fx.GraphModule, fwd: dict[fx.Node, str]) -> list[fx.Node]:
     return [nd for nd in gm.graph.nodes if nd in after and nd in read]
 
 
-def _tagged_copy(gm: fx.GraphModule, tags: dict[str, CheckpointPolicy], regions: dict[str, int]) -> fx.GraphModule:
+def _graph_copy(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
+    """A copy of ``gm`` whose nodes have the same names and their own meta dicts (the values in
+    them shared)."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     out = graph.graph_copy(gm.graph, env)
     graph.output(out)
     for old, new in env.items():
         new.meta = dict(old.meta)
+    return graph_module(gm, graph), env
+
+
+def _tagged_copy(gm: fx.GraphModule, tags: dict[str, CheckpointPolicy], regions: dict[str, int]) -> fx.GraphModule:
+    copy, env = _graph_copy(gm)
+    for old, new in env.items():
         new.meta.pop("recompute", None)
         new.meta.pop("ac_graph_id", None)
         if old.name in tags:
             new.meta["recompute"] = tags[old.name]
             new.meta["ac_graph_id"] = regions[old.name]
-    copy = graph_module(gm, graph)
     copy.graph.lint()
     return copy
 
@@ -671,17 +678,28 @@ class _Partitioner:
     num_fwd_outputs: int
     kwargs: dict
     base: _Ladder
+    # (ladder, tags) -> the partitioner's (forward, backward): an offloaded twin starts from a
+    # copy of its base rung's, not from another min-cut
+    partitioned: dict = dataclasses.field(default_factory=dict)
+
+    def _partition(self, ladder: _Ladder, tags: Tags):
+        key = (id(ladder), id(tags))
+        if key not in self.partitioned:
+            g = _tagged_copy(ladder.graph, tags, ladder.regions)
+            fw, bw = partitioners.min_cut_rematerialization_partition(
+                g, self.joint_inputs, num_fwd_outputs=self.num_fwd_outputs, **self.kwargs
+            )
+            _drop_dead_collectives(bw)
+            self.partitioned[key] = fw, bw
+        return self.partitioned[key]
 
     def __call__(self, ladder: _Ladder, spec: RungSpec, tags: Tags):
         """(Rung, forward, backward); on a tiled ``ladder``, the tiles' joins and partial sums
         count as recompute (views, the tiles' slices, write nothing); an offloaded rung's copies
         to the host and back count as writing their bytes twice."""
-        g = _tagged_copy(ladder.graph, tags, ladder.regions)
-        fw, bw = partitioners.min_cut_rematerialization_partition(
-            g, self.joint_inputs, num_fwd_outputs=self.num_fwd_outputs, **self.kwargs
-        )
-        _drop_dead_collectives(bw)
-        if spec.offload:
+        fw, bw = self._partition(ladder, tags)
+        if spec.offload:  # torch's pass rewrites the graphs in place: on copies of the base rung's
+            fw, bw = _graph_copy(fw)[0], _graph_copy(bw)[0]
             offload_saved(fw, bw, self.num_fwd_outputs, ladder.layers)
         memory = estimate_memory(fw, bw, self.num_fwd_outputs)
 

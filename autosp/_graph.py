@@ -1,6 +1,6 @@
 """Graph helpers every stage uses: a node's outputs and tensor inputs, its arguments by name, its
 bytes, which ops are attention, and sizes at their hints or as values of a trace in progress. A
-leaf: it imports nothing from autosp."""
+leaf: it imports nothing from autosp but the attention kernels' table (``_attention_ops``)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from torch.utils._pytree import tree_flatten
 from torch.utils._sympy.functions import CeilToInt, FloorDiv, FloorToInt, IntTrueDiv
 from torch.utils._sympy.interp import sympy_interp
 from torch.utils._sympy.reference import PythonReferenceAnalysis
+
+from ._attention_ops import ATTENTION, CPU_FLASH
 
 __all__ = [
     "hint",
@@ -40,11 +42,11 @@ __all__ = [
 
 aten = torch.ops.aten
 
-SDPA_CPU = aten._scaled_dot_product_flash_attention_for_cpu.default
-SDPA_CPU_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-# attention op -> whether it is a backward; autosp's ring attention ops (``partition._attention``)
-# register themselves here where they are defined
-ATTENTION_OPS: dict[Any, bool] = {SDPA_CPU: False, SDPA_CPU_BACKWARD: True}
+SDPA_CPU = CPU_FLASH.forward
+SDPA_CPU_BACKWARD = CPU_FLASH.backward
+# attention op -> whether it is a backward: the kernels of ``_attention_ops.ATTENTION``; autosp's
+# ring attention ops (``partition._attention``) register themselves here where they are defined
+ATTENTION_OPS: dict[Any, bool] = {op: op is k.backward for op, k in ATTENTION.items()}
 
 
 def graph_module(root, graph: fx.Graph) -> fx.GraphModule:

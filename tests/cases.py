@@ -766,7 +766,11 @@ def _hf_compare(
             _matmul_flops(lambda: call(ref, ids, labels, **kwargs), backward=False),
         )
         rows = _square_rows(lambda: step(ids, labels, **kwargs), ids.shape[1])
+        with torch.profiler.profile(record_shapes=True) as prof:
+            step(ids, labels, **kwargs)
     return {
+        "gpu_kernels": _gpu_kernel_queries(prof),
+        "notes": list(step.plan.notes),
         "loss": (loss.item(), loss_ref.item()),
         "grad_err": err,
         "kinds": kinds,
@@ -789,6 +793,18 @@ def hf_exactness(
     labels = ids.clone()
     labels[:, : L // 4] = -100
     return _hf_compare(model, ref, ids, labels, dynamic=dynamic)
+
+
+def gpu_kernel_hf_exactness(arch: str, b: int, L: int, kernel: str | None = None) -> dict:
+    """``hf_exactness`` with attention captured as a CUDA kernel (None: the one SDPA picks on the
+    GPU; Hugging Face's SDPA path passes a mask under torch.compile, so memory-efficient), run by
+    its CPU reference."""
+    import cuda_reference  # noqa: F401  registers the CPU reference kernels
+
+    from autosp._attention_ops import gpu_attention
+
+    with gpu_attention(kernel):
+        return hf_exactness(arch, "sdpa", b, L)
 
 
 def hf_moe_autocast(L: int = 64) -> dict:
@@ -1842,3 +1858,60 @@ def defaults_exactness(family: str, lengths: list[int], dp: int = 1) -> dict:
         "kinds": sorted({c.kind for c in step.plan.collectives}),
         "flops": flops,
     }
+
+
+_GPU_KERNELS = ("aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention")
+
+
+def _gpu_kernel_queries(prof) -> list[tuple]:
+    """(kernel event, query shape) of each CUDA attention forward a profile saw."""
+    return sorted({(e.name, tuple(e.input_shapes[0])) for e in prof.events() if e.name in _GPU_KERNELS})
+
+
+def gpu_kernel_exactness(
+    kind: str,
+    b: int,
+    L: int,
+    attention: str = "auto",
+    ulysses: int | None = None,
+    compiler: str = "aot_eager",
+    dynamic: bool | None = None,
+    kernel: str | None = "flash",
+) -> dict:
+    """A step captured with a CUDA attention kernel (``kernel``, or None: the one SDPA picks on the
+    GPU for fp32, memory-efficient), the graph ``autosp.explain(device=...)`` plans, run by the
+    kernel's CPU reference (``cuda_reference``): loss and gradients against one device running
+    the same kernel, this rank's matmul FLOPs against one device's, the (kernel, query shape)
+    pairs it ran on here (torch.profiler's, inside ring attention's op too), the plan's
+    collectives and notes."""
+    import cuda_reference  # noqa: F401  registers the CPU reference kernels
+
+    from autosp._attention_ops import gpu_attention
+
+    torch.manual_seed(0)
+    model = MODELS[kind]()
+    ref = copy.deepcopy(model)
+    ids, labels = batch(kind, b, L, seed=0)
+    with gpu_attention(kernel), autosp.mesh(ulysses=ulysses):
+        step = autosp.shard(
+            lambda input_ids, labels: model(input_ids, labels),
+            compiler=compiler,
+            attention=attention,
+            **({} if dynamic is None else {"dynamic": dynamic}),
+        )
+        loss = step(ids, labels)
+        loss.backward()
+        loss_ref = ref(ids, labels)
+        loss_ref.backward()
+        grad_err = {n: _rel(p.grad, q.grad) for (n, p), q in zip(model.named_parameters(), ref.parameters())}
+        with torch.profiler.profile(record_shapes=True) as prof:
+            step(ids, labels)
+        flops = (_matmul_flops(lambda: step(ids, labels)), _matmul_flops(lambda: ref(ids, labels)))
+    return dict(
+        loss=(loss.item(), loss_ref.item()),
+        grad_err=grad_err,
+        flops=flops,
+        queries=_gpu_kernel_queries(prof),
+        kinds=sorted({c.kind for c in step.plan.collectives}),
+        notes=list(step.plan.notes),
+    )

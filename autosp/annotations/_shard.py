@@ -9,7 +9,9 @@ from typing import Any
 
 import torch.nn as nn
 
+from .._attention_ops import gpu_attention
 from .._context import Options
+from .._devices import device as accelerator
 from ..backend._fsdp import detach_forward_hooks
 from ..backend._step import SeqSpec, ShardedStep
 from ._mesh import current_mesh
@@ -48,10 +50,23 @@ def shard(fn: Callable | nn.Module | None = None, *, seq: SeqSpec = True, **opti
     return ShardedStep(fn, seq, opts, current_mesh)
 
 
-def explain(fn, *args, **kwargs):
+def explain(fn, *args, device: str | None = None, attention_kernel: str | None = None, **kwargs):
     """The plan for one call of ``fn`` (made by ``autosp.shard``, or a module it wrapped): the
-    placement of every node and every inserted collective with its bytes and source line."""
+    placement of every node and every inserted collective with its bytes and source line.
+
+    device: plan the graph that GPU runs, on any machine: one of ``autosp._devices.DEVICES``
+        ("h100", "h200", "a100", "b200", "mi300x"), e.g. ``device="h100"``. Attention is traced as
+        the kernel SDPA picks there for the inputs' dtype (CUDA flash for bf16 and fp16 without a
+        mask); the tensors stay where they are (a CPU build of torch cannot run autograd on fake
+        CUDA tensors). The kernel is named in the plan's notes.
+    attention_kernel: force one GPU kernel ("flash"), as ``torch.nn.attention.sdpa_kernel`` does.
+    """
     target = fn.forward if isinstance(fn, nn.Module) else fn
     if not isinstance(target, ShardedStep):
         target = ShardedStep(target, True, Options(compiler="aot_eager"), current_mesh)
-    return target.explain(*args, **kwargs)
+    if device is None and attention_kernel is None:
+        return target.explain(*args, **kwargs)
+    if device is not None:
+        accelerator(device)  # a clear error for a name not in the table
+    with gpu_attention(attention_kernel):
+        return target.explain(*args, **kwargs)

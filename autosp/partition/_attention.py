@@ -36,8 +36,9 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import Shard
 from torch.fx.operator_schemas import normalize_function
 
+from .._attention_ops import BY_NAME, CPU_FLASH, attention_op, input_names
 from .._context import Kernel
-from .._graph import ATTENTION_OPS, SDPA_CPU, SDPA_CPU_BACKWARD, is_attention_backward, out_vals
+from .._graph import ATTENTION_OPS, op_args, out_vals
 from ..propagate._attention import acc_dtype, blocks, halves, kv_sends, zigzag, zigzag_owner
 from ..propagate._attention import bounds as chunk_bounds
 from ..propagate._attention import ranges as query_ranges
@@ -59,10 +60,13 @@ __all__ = [
 ]
 
 
-def kv_gathered_attention(q, k, v, start: int, is_causal: bool, scale=None, attn_mask=None, mask_start: int = 0):
-    """(out, logsumexp) of ``_scaled_dot_product_flash_attention_for_cpu`` for query rows
+def kv_gathered_attention(
+    q, k, v, start: int, is_causal: bool, scale=None, attn_mask=None, mask_start: int = 0, kernel: str = CPU_FLASH.name
+):
+    """(out, logsumexp) of the attention ``kernel`` (``_attention_ops.BY_NAME``) for query rows
     ``start ..`` of the sequence, with K and V whole (and the mask, if any, holding rows from
     ``mask_start``: 0 whole, ``start`` this rank's rows)."""
+    run = BY_NAME[kernel].run
     sq = q.shape[2]
     if sq == 0:  # a rank without tokens (the kernel divides by the row count)
         return q.new_zeros(q.shape[:3] + v.shape[3:]), q.new_zeros(
@@ -70,9 +74,9 @@ def kv_gathered_attention(q, k, v, start: int, is_causal: bool, scale=None, attn
         )
     if attn_mask is not None:
         mask = _rows(attn_mask, start - mask_start, start - mask_start + sq)
-        return tuple(SDPA_CPU(q, k, v, 0.0, False, attn_mask=mask, scale=scale)[:2])
+        return run(q, k, v, False, mask, scale)
     outs = [
-        SDPA_CPU(q, k[:, :, a:b], v[:, :, a:b], 0.0, c, scale=scale)[:2]
+        run(q, k[:, :, a:b], v[:, :, a:b], c, None, scale)
         for a, b, c in blocks(start, start + sq, 0, k.shape[2], is_causal)
     ]
     if len(outs) == 1:
@@ -84,19 +88,31 @@ def kv_gathered_attention(q, k, v, start: int, is_causal: bool, scale=None, attn
 
 
 def kv_gathered_attention_backward(
-    grad_out, q, k, v, out, lse, start: int, is_causal: bool, scale=None, attn_mask=None, mask_start: int = 0
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    start: int,
+    is_causal: bool,
+    scale=None,
+    attn_mask=None,
+    mask_start: int = 0,
+    kernel: str = CPU_FLASH.name,
 ):
     """(grad q, grad k, grad v): grad q for this rank's rows, grad k and v partial (this rank's
     rows' contribution to every key)."""
+    run_backward = BY_NAME[kernel].run_backward
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     dq = torch.zeros_like(q)
     if q.shape[2] == 0:
         return dq, dk, dv
     if attn_mask is not None:
         mask = _rows(attn_mask, start - mask_start, start - mask_start + q.shape[2])
-        return SDPA_CPU_BACKWARD(grad_out, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale)
+        return tuple(run_backward(grad_out, q, k, v, out, lse, False, mask, scale))
     for a, b, c in blocks(start, start + q.shape[2], 0, k.shape[2], is_causal):
-        gq, gk, gv = SDPA_CPU_BACKWARD(grad_out, q, k[:, :, a:b], v[:, :, a:b], out, lse, 0.0, c, scale=scale)
+        gq, gk, gv = run_backward(grad_out, q, k[:, :, a:b], v[:, :, a:b], out, lse, c, None, scale)
         dq = dq + gq
         dk = dk.slice_scatter(gk, 2, a, b) if (a, b) != (0, k.shape[2]) else gk
         dv = dv.slice_scatter(gv, 2, a, b) if (a, b) != (0, k.shape[2]) else gv
@@ -258,13 +274,25 @@ def _add(acc: torch.Tensor | None, x: torch.Tensor, a: int, b: int, rows: int) -
 
 
 def ring_attention(
-    q, k, v, *, S: int, rank: int, n: int, group, is_causal: bool, scale=None, attn_mask=None, mask_start: int = 0
+    q,
+    k,
+    v,
+    *,
+    S: int,
+    rank: int,
+    n: int,
+    group,
+    is_causal: bool,
+    scale=None,
+    attn_mask=None,
+    mask_start: int = 0,
+    kernel: str = CPU_FLASH.name,
 ):
-    """(out, logsumexp) of ``_scaled_dot_product_flash_attention_for_cpu`` for this rank's
+    """(out, logsumexp) of the attention ``kernel`` (``_attention_ops.BY_NAME``) for this rank's
     contiguous chunk of a sequence of ``S``, with q, k, v all sequence-sharded (and the mask, if
     any, whole or this rank's rows, from global row ``mask_start``: each block reads its rows and
     columns)."""
-    acc = acc_dtype(q.dtype)
+    acc, run = acc_dtype(q.dtype), BY_NAME[kernel].run
     ranges, (qs,) = _query_segments([q], S, n, rank, group, is_causal)
     outs: list = [None] * len(qs)
     lses: list = [None] * len(qs)
@@ -279,9 +307,7 @@ def ring_attention(
         for i, ((qa, qb), qt) in enumerate(zip(ranges, qs)):
             for a, b, c in blocks(qa, qb, ka, kb, is_causal):
                 mask = _block_mask(attn_mask, qa, qb, a, b, mask_start)
-                o, s = SDPA_CPU(
-                    qt, _rows(kc, a - ka, b - ka), _rows(vc, a - ka, b - ka), 0.0, c, attn_mask=mask, scale=scale
-                )[:2]
+                o, s = run(qt, _rows(kc, a - ka, b - ka), _rows(vc, a - ka, b - ka), c, mask, scale)
                 o, s = o.to(acc), _masked_lse(s.to(acc), mask)
                 if outs[i] is None:
                     outs[i], lses[i] = o, s
@@ -318,10 +344,11 @@ def ring_attention_backward(
     scale=None,
     attn_mask=None,
     mask_start: int = 0,
+    kernel: str = CPU_FLASH.name,
 ):
     """(grad q, grad k, grad v) of this rank's chunks: K/V travel the ring again, and behind them
     the accumulators of their gradients, which arrive home after the last step."""
-    acc = acc_dtype(q.dtype)
+    acc, run_backward = acc_dtype(q.dtype), BY_NAME[kernel].run_backward
     ranges, (gos, qs, os_, ls) = _query_segments([grad_out, q, out, lse], S, n, rank, group, is_causal)
     dqs: list = [None] * len(qs)
     bounds = chunk_bounds(S, n)
@@ -335,17 +362,16 @@ def ring_attention_backward(
         gk = gv = None
         for i, (qa, qb) in enumerate(ranges):
             for a, b, c in blocks(qa, qb, ka, kb, is_causal):
-                d_q, d_k, d_v = SDPA_CPU_BACKWARD(
+                d_q, d_k, d_v = run_backward(
                     gos[i],
                     qs[i],
                     _rows(kc, a - ka, b - ka),
                     _rows(vc, a - ka, b - ka),
                     os_[i],
                     ls[i],
-                    0.0,
                     c,
-                    attn_mask=_block_mask(attn_mask, qa, qb, a, b, mask_start),
-                    scale=scale,
+                    _block_mask(attn_mask, qa, qb, a, b, mask_start),
+                    scale,
                 )
                 dqs[i] = _add(dqs[i], d_q.to(acc), 0, qb - qa, qb - qa)
                 gk = _add(gk, d_k.to(acc), a - ka, b - ka, kb - ka)
@@ -394,7 +420,20 @@ def _mask_heads(mask, u: int, i: int):
 
 
 def hybrid_attention(
-    q, k, v, *, S: int, rank: int, n: int, u: int, inner, outer, is_causal: bool, scale=None, attn_mask=None
+    q,
+    k,
+    v,
+    *,
+    S: int,
+    rank: int,
+    n: int,
+    u: int,
+    inner,
+    outer,
+    is_causal: bool,
+    scale=None,
+    attn_mask=None,
+    kernel: str = CPU_FLASH.name,
 ):
     """(out, logsumexp) for this rank's chunk: all-to-alls within the sub-group turn its u chunks
     into this rank's H / u heads of the sub-group's sequence, ring attention runs across the
@@ -412,6 +451,7 @@ def hybrid_attention(
         is_causal=is_causal,
         scale=scale,
         attn_mask=_mask_heads(attn_mask, u, i),
+        kernel=kernel,
     )
     return _heads_to_seq(out, u, i, inner), _heads_to_seq(lse, u, i, inner)
 
@@ -433,6 +473,7 @@ def hybrid_attention_backward(
     is_causal: bool,
     scale=None,
     attn_mask=None,
+    kernel: str = CPU_FLASH.name,
 ):
     """(grad q, grad k, grad v): the same all-to-alls, the ring's backward across the sub-groups,
     and the gradients back."""
@@ -452,6 +493,7 @@ def hybrid_attention_backward(
         is_causal=is_causal,
         scale=scale,
         attn_mask=_mask_heads(attn_mask, u, i),
+        kernel=kernel,
     )
     return tuple(_heads_to_seq(x, u, i, inner) for x in (dq, dk, dv))
 
@@ -491,17 +533,19 @@ def ring_attention_op(
     u: int,
     inner: str,
     mask_start: int = 0,
+    kernel: str = CPU_FLASH.name,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, logsumexp) of this rank's chunk: ring attention over ``group`` (``u == 1``), or hybrid
-    attention with sub-groups of ``u`` (``inner`` within, ``group`` across; the mask whole)."""
-    kw = dict(S=S, rank=rank, n=n, is_causal=is_causal, scale=scale, attn_mask=attn_mask)
+    attention with sub-groups of ``u`` (``inner`` within, ``group`` across; the mask whole), each
+    block run by the attention ``kernel`` (``_attention_ops.BY_NAME``)."""
+    kw = dict(S=S, rank=rank, n=n, is_causal=is_causal, scale=scale, attn_mask=attn_mask, kernel=kernel)
     if u > 1:
         return _waited(hybrid_attention(query, key, value, u=u, inner=inner, outer=group, **kw), (query, key, value))
     return _waited(ring_attention(query, key, value, group=group, mask_start=mask_start, **kw), (query, key, value))
 
 
 @ring_attention_op.register_fake
-def _(query, key, value, attn_mask, S, rank, n, group, is_causal, scale, u, inner, mask_start=0):
+def _(query, key, value, attn_mask, S, rank, n, group, is_causal, scale, u, inner, mask_start=0, kernel=""):
     return (
         query.new_empty([*query.shape[:3], value.shape[3]]),
         query.new_empty(query.shape[:3], dtype=acc_dtype(query.dtype)),
@@ -526,9 +570,10 @@ def ring_attention_backward_op(
     u: int,
     inner: str,
     mask_start: int = 0,
+    kernel: str = CPU_FLASH.name,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad query, grad key, grad value) of this rank's chunks (see ``ring_attention_op``)."""
-    kw = dict(S=S, rank=rank, n=n, is_causal=is_causal, scale=scale, attn_mask=attn_mask)
+    kw = dict(S=S, rank=rank, n=n, is_causal=is_causal, scale=scale, attn_mask=attn_mask, kernel=kernel)
     args = (grad_out, query, key, value, out, logsumexp)
     if u > 1:
         return _waited(hybrid_attention_backward(*args, u=u, inner=inner, outer=group, **kw), args)
@@ -548,22 +593,23 @@ ATTENTION_OPS.update({RING: False, RING_BACKWARD: True})
 # ---------------------------------------------------------------------------------------------
 # the per-rank calls of attention ops planned with the query sequence-sharded
 
-_FORWARD_ARGS = ("query", "key", "value")
-_BACKWARD_ARGS = ("grad_out", "query", "key", "value", "out", "logsumexp")
-
 
 def _sequence_call(nd, s, target, args, kwargs, ctx):
     """(kernel, args, kwargs) for an attention op on this rank's query rows: against gathered K/V
     (the query's first row in the global sequence places its causal block), or as ring or hybrid
-    attention (one op each way, ``autosp::ring_attention``)."""
+    attention (one op each way, ``autosp::ring_attention``), each block run by the op's kernel. A
+    forward returns the kernel's whole output tuple (``AttentionOp.outputs``)."""
+    op = attention_op(target)
     a = normalize_function(target, args, kwargs, normalize_to_only_use_kwargs=True).kwargs
-    backward = is_attention_backward(target)
-    S = out_vals(nd.args[1 if backward else 0])[0].shape[2]
-    common = dict(is_causal=bool(a["is_causal"]), scale=a["scale"], attn_mask=a["attn_mask"])
+    backward = target is op.backward
+    q = out_vals(op_args(nd)["query"])[0]
+    S = q.shape[2]
+    mask = a.get(op.mask) if op.mask else None
+    common = dict(is_causal=bool(a["is_causal"]), scale=a["scale"], attn_mask=mask, kernel=op.name)
     start = sum(chunks(S, ctx.n)[: ctx.rank])
-    mask = 6 if backward else 3  # the mask's place among the tensor inputs, if it has one
     # a mask split by rows (``propagate._attention._rows_mask``) holds this rank's rows
-    common.update(mask_start=start if len(s.ins) > mask and is_shard(s.ins[mask]) else 0)
+    placed = dict(zip(input_names(nd), s.ins))
+    common.update(mask_start=start if op.mask in placed and is_shard(placed[op.mask]) else 0)
     if s.kernel == Kernel.KV_GATHER:
         common.update(start=start)
         fn = kv_gathered_attention_backward if backward else kv_gathered_attention
@@ -571,7 +617,17 @@ def _sequence_call(nd, s, target, args, kwargs, ctx):
         u, inner, outer = (ctx.ulysses, ctx.inner, ctx.outer) if s.kernel == Kernel.HYBRID else (1, "", ctx.group)
         common.update(S=S, rank=ctx.rank, n=ctx.n, group=outer, u=u, inner=inner)
         fn = ring_attention_backward_op if backward else ring_attention_op
-    return fn, tuple(a[k] for k in (_BACKWARD_ARGS if backward else _FORWARD_ARGS)), common
+    if backward:
+
+        def backward_call(grad_out, q, k, v, out, lse, **kw):  # a padded log-sum-exp: its rows only
+            return fn(grad_out, q, k, v, out, lse.narrow(2, 0, q.shape[2]) if op.lse_rows > 1 else lse, **kw)
+
+        return backward_call, tuple(a[k] for k in (op.grad_out, "query", "key", "value", "out", "logsumexp")), common
+
+    def forward(q, k, v, **kw):
+        return op.outputs(*fn(q, k, v, **kw), q, k)
+
+    return forward, (a["query"], a["key"], a["value"]), common
 
 
 # kernel -> the per-rank call of an attention op the plan runs with it (Ulysses and the batch

@@ -4,12 +4,12 @@ ranks, and K/V heads replicated where they do not but the query heads do.
 Models with fewer K/V heads than query heads often repeat K and V up to the query head count
 before attention (Hugging Face's ``repeat_kv``, ``repeat_interleave(k, rep, dim=1)``). In the
 joint graph that is ``unsqueeze(k, 2) -> expand -> clone -> view``, and its gradient is
-``view -> sum(dim 2) -> squeeze``. The CPU flash kernel takes the unrepeated K/V itself (query head
-j reads K/V head j // rep; forward and backward are identical to the repeated call, measured to
-1e-15 in fp64), so this pass hands the attention ops the unrepeated K/V and takes the K/V
-gradients straight from the kernel. The repeated K/V and their gradients (each as large as the
-query) are then never built: under checkpointing they were rebuilt in the backward for every
-layer, and at the attention backward they were the largest transients.
+``view -> sum(dim 2) -> squeeze``. The flash kernels (CPU's and CUDA's: ``AttentionOp.gqa``) take
+the unrepeated K/V (query head j reads K/V head j // rep; forward and backward are identical to
+the repeated call, measured to 1e-15 in fp64), so this pass hands the attention ops the
+unrepeated K/V and takes the K/V gradients straight from the kernel. The repeated K/V and their
+gradients (each as large as the query) are then never built: under checkpointing they were
+rebuilt in the backward for every layer, and at the attention backward they were the largest transients.
 
 Folded only where nothing is lost: the K/V heads split evenly over the sp ranks (else the repeat
 is what lets Ulysses split the heads), and the repeated K/V feed nothing but the attention ops.
@@ -34,9 +34,8 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
+from .._attention_ops import FORWARDS, attention_op
 from .._context import Kernel, SpContext
-from .._graph import SDPA_CPU as _FWD
-from .._graph import SDPA_CPU_BACKWARD as _BWD
 from .._graph import hint, nbytes, out_vals
 from ..errors import source_line
 from ..propagate._attention import heads_split, hybrid_bytes, is_causal, ring_bytes, seq_attention_ok
@@ -132,17 +131,31 @@ def _summed(grad: fx.Node, rep: int) -> fx.Node | None:
     return chain[-1]
 
 
+def _forwards(g: fx.Graph) -> list[fx.Node]:
+    """The attention forwards of ``g`` (every kernel of ``_attention_ops``: each takes query, key
+    and value as its first three arguments, and its backward them after the incoming gradient)."""
+    return [nd for nd in g.nodes if nd.op == "call_function" and nd.target in FORWARDS]
+
+
+def _backwards(fwd: fx.Node, k: fx.Node, v: fx.Node) -> list[fx.Node]:
+    """The backwards of ``fwd``'s kernel that read its K/V."""
+    bwd = attention_op(fwd.target).backward
+    return [u for u in k.users if u.target is bwd and u.args[2] is k and u.args[3] is v]
+
+
 def fold_kv_repeats(gm: fx.GraphModule, n: int) -> list[str]:
     """Hand attention ops unrepeated K/V (see the module docstring), in place. Returns a note per
     folded attention op."""
     g, notes = gm.graph, []
-    for fwd in list(g.find_nodes(op="call_function", target=_FWD)):
+    for fwd in _forwards(g):
+        if not attention_op(fwd.target).gqa:
+            continue
         k, v = fwd.args[1], fwd.args[2]
         rk, rv = _repeated(k), _repeated(v)
         if rk is None or rv is None or rk[1] != rv[1] or out_vals(rk[0])[0].shape[1] % n:
             continue
         (ks, rep), (vs, _) = rk, rv
-        bwds = [u for u in k.users if u.target is _BWD and u.args[2] is k and u.args[3] is v]
+        bwds = _backwards(fwd, k, v)
         if set(k.users) != {fwd, *bwds} or set(v.users) != {fwd, *bwds}:
             continue
         fwd.args = (fwd.args[0], ks, vs, *fwd.args[3:])
@@ -245,7 +258,7 @@ def replicate_kv_heads(gm: fx.GraphModule, ctx: SpContext) -> list[str]:
     n, g, notes = ctx.n, gm.graph, []
     if ctx.options.attention not in ("auto", Kernel.ULYSSES):
         return notes
-    for fwd in list(g.find_nodes(op="call_function", target=_FWD)):
+    for fwd in _forwards(g):
         k, v = fwd.args[1], fwd.args[2]
         q_, k_, v_ = (out_vals(a)[0] for a in fwd.args[:3])
         H, KV = q_.shape[1], k_.shape[1]
@@ -256,7 +269,7 @@ def replicate_kv_heads(gm: fx.GraphModule, ctx: SpContext) -> list[str]:
             continue
         kr, vr = _repeat(g, k, rep, fwd), _repeat(g, v, rep, fwd)
         fwd.args = (fwd.args[0], kr, vr, *fwd.args[3:])
-        for bwd in [u for u in k.users if u.target is _BWD and u.args[2] is k and u.args[3] is v]:
+        for bwd in _backwards(fwd, k, v):
             bwd.args = (*bwd.args[:2], kr, vr, *bwd.args[4:])
             bwd.meta["val"] = vals = _rerun(bwd)
             for out in [u for u in bwd.users if u.target is operator.getitem and u.args[1] in (1, 2)]:

@@ -25,6 +25,7 @@ from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._pytree import tree_map
 
+from .._attention_ops import padded_lse
 from .._context import SpContext
 from .._graph import out_vals, retraced, tensor_inputs
 from ..errors import PlanError
@@ -140,6 +141,14 @@ class Localizer(fx.Interpreter):
         key = (u, i, q)
         if key in self.moved:
             return self.moved[key]
+        op = padded_lse(u, i)
+        if op is not None and p != q:  # the solver never plans it (``_solver._add_edge``)
+            raise PlanError(
+                u,
+                f"the {op.name} kernel's log-sum-exp, its rows padded to a multiple of {op.lse_rows}, would move "
+                f"from {p} to {q} between its forward and backward: padded rows do not split as the sequence does",
+                "force one attention kernel with autosp.shard(attention=...)",
+            )
         shape = [retraced(x) for x in out_vals(u)[i].shape]
         y = redistribute(self.value(u, i), p, q, ctx.n, ctx.rank, ctx.group, shape)
         if redistribute_kind(p, q) == "all_to_all":

@@ -20,8 +20,9 @@ import functools
 import torch
 import torch.fx as fx
 
+from .._attention_ops import ATTENTION, CPU_FLASH, FORWARDS, attention_op, input_names
 from .._context import Kernel
-from .._graph import SDPA_CPU, SDPA_CPU_BACKWARD, hint, op_args, out_vals, tensor_inputs
+from .._graph import hint, op_args, out_vals
 from ..errors import PlanError, source_line
 from ._placement import P, R, can_shard, chunks, offsets, shard, shard_specs
 from ._strategy import Sets, Strategy, provenance, rule
@@ -30,6 +31,8 @@ __all__ = [
     "heads_split",
     "seq_attention_ok",
     "is_causal",
+    "qkv",
+    "mask_of",
     "hybrid_strategies",
     "ring_bytes",
     "hybrid_bytes",
@@ -71,16 +74,28 @@ def heads_split(q, k, n) -> bool:
     return (H % n == 0 and KV % n == 0) or (H == KV and n <= H)
 
 
+def qkv(node: fx.Node) -> tuple:
+    """The fake query, key and value an attention op (forward or backward) reads."""
+    args = op_args(node)
+    return tuple(_val(args[name]) for name in ("query", "key", "value"))
+
+
+def mask_of(node: fx.Node):
+    """The fake mask (or bias) an attention op reads, None without one."""
+    name = attention_op(node.target).mask
+    mask = op_args(node).get(name) if name else None
+    return _val(mask) if isinstance(mask, fx.Node) else None
+
+
 def seq_attention_ok(node, q, k) -> bool:
     """Whether attention can run with the query sequence-sharded (K/V gathered, or passed around
     a ring): self-attention (the causal diagonal is where the query shard sits), a mask with a row
     per query and a column per key if any, and no dropout. ``autosp.partition._attention`` runs
     both on each rank."""
-    args = op_args(node)
-    mask = args["attn_mask"]
+    mask = mask_of(node)
     # a mask (padding, documents): a row per query (or one for all), a column per key
-    mask_ok = mask is None or (_val(mask).ndim == 4 and tuple(_val(mask).shape[-2:]) == (q.shape[2], k.shape[2]))
-    return mask_ok and not args["dropout_p"] and q.shape[2] == k.shape[2]
+    mask_ok = mask is None or (mask.ndim == 4 and tuple(mask.shape[-2:]) == (q.shape[2], k.shape[2]))
+    return mask_ok and not op_args(node)["dropout_p"] and q.shape[2] == k.shape[2]
 
 
 def is_causal(node) -> bool:
@@ -88,10 +103,58 @@ def is_causal(node) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# rules
+# rules: every kernel of ``_attention_ops.ATTENTION``, its tensors read by name
 
 
-def _seq_strategies(node, q, k, v, n, backward: bool) -> list[Strategy]:
+def _roles(node: fx.Node) -> tuple[str, ...]:
+    """The tensor inputs that are split alike under sequence-sharded attention: (query, key,
+    value) of a forward; (grad_out, query, key, value, out, logsumexp) of a backward."""
+    op = attention_op(node.target)
+    if node.target is op.forward:
+        return ("query", "key", "value")
+    return (op.grad_out, "query", "key", "value", "out", "logsumexp")
+
+
+def _ins(node: fx.Node, mask=R, **placed) -> tuple:
+    """A strategy's input placements in ``tensor_inputs`` order: ``placed`` by argument name,
+    ``mask`` for the mask, the rest (the RNG state a backward reads) replicated."""
+    name = attention_op(node.target).mask
+    return tuple(placed.get(a, mask if a == name else R) for a in input_names(node))
+
+
+def _outs(node: fx.Node, p, grads=None) -> tuple:
+    """A strategy's output placements: ``p`` for the forward's output and log-sum-exp, or the
+    backward's ``grads`` (of query, key, value; ``p`` each by default)."""
+    op = attention_op(node.target)
+    if node.target is op.forward:
+        return op.forward_outs(node, p, R)
+    grads = grads or (p, p, p)
+    return tuple(grads[i] if i < 3 else o for i, o in enumerate(op.backward_outs(node, R)))
+
+
+def _refuse(node: fx.Node) -> None:
+    """What no strategy runs exactly: dropout in a kernel that draws its own mask (each rank would
+    draw its heads' or rows' mask from the same seed, not the single device's), and a bias that
+    takes a gradient (a learned bias: its gradient would need its own placement)."""
+    op = attention_op(node.target)
+    args = op_args(node)
+    if any(args.get("grad_input_mask", ())[3:]):
+        raise PlanError(
+            node,
+            f"the {op.name} kernel's attention bias requires grad (a learned bias)",
+            "compute the bias from values that need no gradient, or plan on CPU",
+        )
+    if op.draws and args["dropout_p"]:
+        raise PlanError(
+            node,
+            f"attention dropout (dropout_p={op_args(node)['dropout_p']}) inside the {op.name} kernel, which draws "
+            "its own mask: split over the ranks, each would draw a different mask from the single device's",
+            "set the attention dropout to 0 (Llama-style models train without it), or plan on CPU, where "
+            "SDPA runs dropout as its own op",
+        )
+
+
+def _seq_strategies(node, q, k, v, n) -> list[Strategy]:
     """Sequence-sharded attention, offered wherever it is exact: ring attention, and attention
     against all-gathered K/V (which holds whole K/V on every rank, saved for the backward), each
     with a mask's rows split as the queries are (``_rows_mask``). The solver weighs them against
@@ -101,43 +164,43 @@ def _seq_strategies(node, q, k, v, n, backward: bool) -> list[Strategy]:
         return []
     fwd, bwd = ring_bytes(q, k, v, n, is_causal(node))
     s2 = shard(2)
-    m = _rows_mask(node, q, len(tensor_inputs(node)) - (6 if backward else 3))
-    if backward:
+    m = _rows_mask(node, q)
+    every = dict.fromkeys(_roles(node), s2)
+    gathered = {**every, "key": R, "value": R}
+    if node.target is attention_op(node.target).backward:
         # the gathered K/V's gradients: partial sums over the query shards
         return [
-            Strategy((s2, s2, s2), (s2,) * 6 + m, kernel=Kernel.RING, comm=bwd),
-            Strategy((s2, P, P), (s2, s2, R, R, s2, s2) + m, kernel=Kernel.KV_GATHER),
+            Strategy(_outs(node, s2), _ins(node, m, **every), kernel=Kernel.RING, comm=bwd),
+            Strategy(_outs(node, s2, (s2, P, P)), _ins(node, m, **gathered), kernel=Kernel.KV_GATHER),
         ]
     kv = (k.numel() + v.numel()) * k.element_size()
     return [
-        Strategy((s2, s2), (s2, s2, s2) + m, kernel=Kernel.RING, comm=fwd, held=kv / n),  # one chunk in flight
-        Strategy((s2, s2), (s2, R, R) + m, kernel=Kernel.KV_GATHER, held=kv * (n - 1) / n),
+        Strategy(_outs(node, s2), _ins(node, m, **every), kernel=Kernel.RING, comm=fwd, held=kv / n),  # one in flight
+        Strategy(_outs(node, s2), _ins(node, m, **gathered), kernel=Kernel.KV_GATHER, held=kv * (n - 1) / n),
     ]
 
 
-def _rows_mask(node, q, count: int) -> tuple:
+def _rows_mask(node, q):
     """The mask's placement (if there is one) under sequence-sharded attention: a mask with a row
     per query (a document or padding mask of shape (B, 1|H, S, S)) follows the query rows, so no
     rank holds more than its rows of it (at 32k tokens a whole float mask is 4 GiB); a mask
     broadcast over the queries stays whole, and so does any mask under a causal flag (the zigzag
     moves the query rows; torch's SDPA never passes both)."""
-    if not count:
-        return ()
-    mask = _val(op_args(node)["attn_mask"])
-    rows = mask.ndim == 4 and mask.shape[2] == q.shape[2] and not is_causal(node)
-    return (shard(2) if rows else R,) + (R,) * (count - 1)
+    mask = mask_of(node)
+    rows = mask is not None and mask.ndim == 4 and mask.shape[2] == q.shape[2] and not is_causal(node)
+    return shard(2) if rows else R
 
 
 def hybrid_strategies(node: fx.Node, A: Sets, n: int, u: int) -> list[Strategy]:
     """Hybrid attention on a 2D sp mesh (sub-groups of u ranks): Ulysses within each sub-group,
     ring across them. Offered where the head counts split over u (each sub-group rank then holds
     whole grouped-query blocks) and the sequence evenly over the ranks."""
-    fwd = node.target is SDPA_CPU
-    if not fwd and node.target is not SDPA_CPU_BACKWARD:
+    op = attention_op(node.target)
+    if op is None:
         return []
-    q, k, v = (_val(a) for a in (node.args[:3] if fwd else node.args[1:4]))
+    q, k, v = qkv(node)
     if (
-        shard(2) not in A[0 if fwd else 1]
+        shard(2) not in A[input_names(node).index("query")]
         or not seq_attention_ok(node, q, k)
         or q.shape[2] % n
         or q.shape[1] % u
@@ -146,32 +209,30 @@ def hybrid_strategies(node: fx.Node, A: Sets, n: int, u: int) -> list[Strategy]:
         return []
     fwd_bytes, bwd_bytes = hybrid_bytes(q, k, v, n, u, is_causal(node))
     s2 = shard(2)
-    m = (R,) * (len(tensor_inputs(node)) - (3 if fwd else 6))
-    if fwd:
+    ins = _ins(node, R, **dict.fromkeys(_roles(node), s2))
+    if node.target is op.forward:
         kv = (k.numel() + v.numel()) * k.element_size()
-        return [Strategy((s2, s2), (s2, s2, s2) + m, kernel=Kernel.HYBRID, comm=fwd_bytes, held=kv / n)]
-    return [Strategy((s2, s2, s2), (s2,) * 6 + m, kernel=Kernel.HYBRID, comm=bwd_bytes)]
+        return [Strategy(_outs(node, s2), ins, kernel=Kernel.HYBRID, comm=fwd_bytes, held=kv / n)]
+    return [Strategy(_outs(node, s2), ins, kernel=Kernel.HYBRID, comm=bwd_bytes)]
 
 
-def _split_mask(mask, q, dim: int) -> tuple:
+def _split_mask(mask, q, dim: int):
     """The mask's placement (if there is a mask) when attention runs split along ``dim``."""
-    if mask is None:
-        return ()
-    return ((shard(dim) if mask.shape[dim] == q.shape[dim] and mask.ndim == 4 else R),)
+    return shard(dim) if mask is not None and mask.shape[dim] == q.shape[dim] and mask.ndim == 4 else R
 
 
-@rule(SDPA_CPU)
-def _sdpa_cpu(node, A, n):
-    q, k, v = (_val(a) for a in node.args[:3])
-    mask = node.kwargs.get("attn_mask")
-    mask = _val(mask) if isinstance(mask, fx.Node) else None
-    ti = len(tensor_inputs(node))
-    res = [Strategy((R, R), tuple(R for _ in range(ti)))]
-    seq = _seq_strategies(node, q, k, v, n, backward=False)
-    if shard(2) in A[0]:
+@rule(*(k.forward for k in ATTENTION.values()))
+def _attention_forward(node, A, n):
+    _refuse(node)
+    q, k, v = qkv(node)
+    mask = mask_of(node)
+    names = input_names(node)
+    res = [Strategy(_outs(node, R), _ins(node))]
+    seq = _seq_strategies(node, q, k, v, n)
+    if shard(2) in A[names.index("query")]:
         res += seq
     for dim in (1, 0):
-        if dim == 1 or any(shard(dim) in A[j] for j in range(3)):
+        if dim == 1 or any(shard(dim) in A[names.index(a)] for a in ("query", "key", "value")):
             if dim == 1 and not heads_split(q, k, n):
                 if q.shape[1] % n and q.shape[1] >= n and not seq:
                     _heads_error(node, q.shape[1], k.shape[1], n)
@@ -180,10 +241,11 @@ def _sdpa_cpu(node, A, n):
                 continue
             if dim == 0 and k.shape[0] != q.shape[0]:
                 continue
+            s = shard(dim)
             res.append(
                 Strategy(
-                    (shard(dim), shard(dim)),
-                    (shard(dim),) * 3 + _split_mask(mask, q, dim),
+                    _outs(node, s),
+                    _ins(node, _split_mask(mask, q, dim), **dict.fromkeys(_roles(node), s)),
                     introduces=dim == 1,
                     kernel=Kernel.ULYSSES if dim == 1 else Kernel.BATCH,
                 )
@@ -191,27 +253,28 @@ def _sdpa_cpu(node, A, n):
     return res
 
 
-@rule(SDPA_CPU_BACKWARD)
-def _sdpa_cpu_bwd(node, A, n):
-    q = _val(node.args[1])
-    mask = node.kwargs.get("attn_mask")
-    mask = _val(mask) if isinstance(mask, fx.Node) else None
-    ti = len(tensor_inputs(node))
-    res = [Strategy((R, R, R), tuple(R for _ in range(ti)))]
-    k, v = _val(node.args[2]), _val(node.args[3])
-    if shard(2) in A[1]:
-        res += _seq_strategies(node, q, k, v, n, backward=True)
+@rule(*(k.backward for k in ATTENTION.values()))
+def _attention_backward(node, A, n):
+    _refuse(node)
+    q, k, v = qkv(node)
+    mask = mask_of(node)
+    names = input_names(node)
+    roles = _roles(node)
+    res = [Strategy(_outs(node, R), _ins(node))]
+    if shard(2) in A[names.index("query")]:
+        res += _seq_strategies(node, q, k, v, n)
     for dim in (1, 0):
         if (dim == 1 and heads_split(q, k, n)) or (
-            any(shard(dim) in A[j] for j in range(6))
+            any(shard(dim) in A[names.index(a)] for a in roles)
             and dim == 0
             and can_shard(q.shape[0], 1, n)
             and can_shard(k.shape[0], 1, n)
         ):
+            s = shard(dim)
             res.append(
                 Strategy(
-                    (shard(dim),) * 3,
-                    (shard(dim),) * 6 + _split_mask(mask, q, dim),
+                    _outs(node, s),
+                    _ins(node, _split_mask(mask, q, dim), **dict.fromkeys(roles, s)),
                     introduces=dim == 1,
                     kernel=Kernel.ULYSSES if dim == 1 else Kernel.BATCH,
                 )
@@ -219,18 +282,15 @@ def _sdpa_cpu_bwd(node, A, n):
     return res
 
 
-@provenance(SDPA_CPU, SDPA_CPU_BACKWARD)
-def _sdpa_seq(node, A, n):
+@provenance(*ATTENTION)
+def _attention_seq(node, A, n):
     """Attention's sequence correspondence: the query's sequence dim is the output's (and the
     log-sum-exp's); the gradients' are the inputs'. Not a strategy: the causal mask is global."""
-    fwd = node.target is SDPA_CPU
-    ti = len(tensor_inputs(node))
     res = []
-    for d, sf in shard_specs(A[0 if fwd else 1]):
+    for d, sf in shard_specs(A[input_names(node).index("query")]):
         if d == 2:
             p = shard(2, sf)
-            outs = (p, p) if fwd else (p, p, p)
-            res.append(Strategy(outs, tuple(p if j < (3 if fwd else 6) else R for j in range(ti))))
+            res.append(Strategy(_outs(node, p), _ins(node, R, **dict.fromkeys(_roles(node), p))))
     return res
 
 
@@ -360,7 +420,7 @@ def hybrid_bytes(q, k, v, n: int, u: int, causal: bool) -> tuple[float, float]:
 
 
 def _note(nd: fx.Node, s: Strategy, n: int) -> str | None:
-    q, k = _val(nd.args[0]), _val(nd.args[1])
+    q, k, _ = qkv(nd)
     H, KV = q.shape[1], k.shape[1]
     where = f"attention at {source_line(nd)}"
     heads = f"{H} query / {KV} K/V heads" + ("" if heads_split(q, k, n) else f" do not split over sp={n}")
@@ -397,9 +457,18 @@ def _note(nd: fx.Node, s: Strategy, n: int) -> str | None:
 
 
 def attention_notes(gm: fx.GraphModule, plan: dict[fx.Node, Strategy], n: int) -> list[str]:
-    """How each attention forward runs, when it is not plain Ulysses (heads split evenly); none on
-    an sp group of one rank, where attention runs whole wherever its inputs are placed."""
+    """The kernel attention runs as, where it is not the CPU one (a plan for a GPU's graph), and
+    how each attention forward runs when it is not plain Ulysses (heads split evenly); none of the
+    latter on an sp group of one rank, where attention runs whole wherever its inputs are placed."""
+    forwards = [nd for nd in gm.graph.nodes if nd.op == "call_function" and nd.target in FORWARDS]
+    kernels = dict.fromkeys(attention_op(nd.target) for nd in forwards)
+    notes = [
+        f"attention kernel: {op.name} ({op.forward.name()} and its backward), "
+        f"{sum(nd.target is op.forward for nd in forwards)} op(s)"
+        for op in kernels
+        if op is not CPU_FLASH
+    ]
     if n == 1:
-        return []
-    notes = [_note(nd, plan[nd], n) for nd in gm.graph.find_nodes(op="call_function", target=SDPA_CPU)]
+        return notes
+    notes += [_note(nd, plan[nd], n) for nd in forwards]
     return [x for x in notes if x is not None]

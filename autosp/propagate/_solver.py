@@ -31,6 +31,7 @@ import torch.fx as fx
 from scipy.optimize import LinearConstraint, milp
 from scipy.sparse import coo_array
 
+from .._attention_ops import padded_lse
 from .._context import Kernel, SpContext
 from .._graph import nbytes, out_vals, tensor_inputs
 from ..errors import PlanError, UnsupportedOpError, module_path
@@ -159,11 +160,12 @@ def _add_edge(prog: _Program, c: Candidates, choose: dict, edge, j: int, n: int,
     produced = sorted({s.outs[i] for s in c.strategies[u]}, key=str)
     required = sorted({s.ins[j] for s in v_strategies}, key=str)
     size = nbytes(out_vals(u)[i]) * _seq_scale(c, (u, i))
+    fixed = padded_lse(u, i) is not None  # the attention backward reading it runs split as its forward
     flow = {}
     for p in produced:
         for q in required:
             kind = redistribute_kind(p, q)
-            if kind is None:
+            if kind is None or (fixed and p != q):
                 continue
             cost = _flow_cost(c, v, u, i, kind, size, n, is_output)
             if kind != "all_to_all" or is_output:

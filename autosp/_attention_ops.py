@@ -149,8 +149,18 @@ def _padded(lse, rows: int):
     return torch.nn.functional.pad(lse, (0, -rows % 32))
 
 
+def _aligned(bias):
+    """The bias as SDPA hands it to the memory-efficient kernel: a row's storage padded to a
+    multiple of 16 elements (the kernel's alignment; a block's columns, narrowed, may not be)."""
+    if bias is None or bias.shape[-1] % 16 == 0:
+        return bias
+    return torch.nn.functional.pad(bias, (0, -bias.shape[-1] % 16))[..., : bias.shape[-1]]
+
+
 def _efficient_run(q, k, v, is_causal, mask, scale):
-    out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, mask, True, 0.0, is_causal, scale=scale)[:2]
+    out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, _aligned(mask), True, 0.0, is_causal, scale=scale)[
+        :2
+    ]
     return out, lse[..., : q.shape[2]]
 
 
@@ -161,7 +171,7 @@ def _efficient_run_backward(grad_out, q, k, v, out, lse, is_causal, mask, scale)
         q,
         k,
         v,
-        mask,
+        _aligned(mask),
         out,
         _padded(lse, q.shape[2]),
         seed,

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ._attention_ops import GPU_KERNELS
 from ._context import ATTENTION_CHOICES
 from ._devices import DEVICES, device
 
@@ -160,9 +161,12 @@ def trace_plan(
     attention: str = "auto",
     ulysses: int | None = None,
     offload: bool = False,
+    device: str | None = None,
+    attention_kernel: str | None = None,
 ):
     """``autosp.explain`` of one training step of the model cut to ``layers`` layers, with every
-    rung of the checkpointing ladder evaluated (with ``offload``, the offloaded ones too)."""
+    rung of the checkpointing ladder evaluated (with ``offload``, the offloaded ones too); with a
+    ``device``, attention as the kernel SDPA runs there (``explain(device=...)``)."""
     import autosp
 
     # uninitialised CPU storage: tracing reads shapes only, so the pages are never touched
@@ -178,7 +182,7 @@ def trace_plan(
         dynamic=False,  # a plan at this length exactly (its fit extrapolates in the length)
     )
     with autosp.mesh(sp=sp, ulysses=ulysses):
-        return autosp.explain(step, ids, ids)
+        return autosp.explain(step, ids, ids, device=device, attention_kernel=attention_kernel)
 
 
 class PlanFit:
@@ -202,9 +206,12 @@ class PlanFit:
         attention: str = "auto",
         ulysses: int | None = None,
         offload: bool = False,
+        device: str | None = None,
+        attention_kernel: str | None = None,
     ):
         self.cfg, self.sp, self.batch, self.dtype, self.attention = cfg, sp, batch, dtype, attention
         self.ulysses, self.offload = ulysses, offload
+        self.device, self.attention_kernel = device, attention_kernel
         self.layers, self.seqs = cfg["num_hidden_layers"], seqs
         self.plans: dict = {}
         for s in seqs:
@@ -223,6 +230,8 @@ class PlanFit:
                     attention=self.attention,
                     ulysses=self.ulysses,
                     offload=self.offload,
+                    device=self.device,
+                    attention_kernel=self.attention_kernel,
                 )
 
     def refine(self, seq: int) -> None:
@@ -489,8 +498,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--device",
         default=None,
-        help=f"the accelerator ({', '.join(DEVICES)}): its memory is --memory's default, and the step time is "
-        "its roofline's",
+        help=f"the accelerator ({', '.join(DEVICES)}): its memory is --memory's default, the step time is "
+        "its roofline's, and attention is planned as the kernel SDPA runs there (flash for bf16 without a mask)",
+    )
+    p.add_argument(
+        "--attention-kernel",
+        default=None,
+        choices=sorted(GPU_KERNELS),
+        help="plan attention as this GPU kernel, as torch.nn.attention.sdpa_kernel forces one",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object (the auto policy's, or the first given)")
     return ap
@@ -635,6 +650,8 @@ def main(argv=None) -> int:
         attention=args.attention,
         ulysses=args.ulysses,
         offload=args.offload,
+        device=args.device,
+        attention_kernel=args.attention_kernel,
     )
     kernels = sorted(
         {
@@ -645,6 +662,8 @@ def main(argv=None) -> int:
     )
     attention = "; ".join(kernels) if kernels else "Ulysses, heads split evenly"
     attention = "whole (an sp group of one rank)" if args.sp == 1 else attention
+    gpu = [n.split(": ", 1)[1].split(" (")[0] for n in fit.plans[(1, base)].notes if n.startswith("attention kernel:")]
+    attention = f"{', '.join(gpu)} kernel: {attention}" if gpu else attention
     say(f"attention ({args.attention}): {attention}")
 
     def time_text(t: Traced) -> str:

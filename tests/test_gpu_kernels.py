@@ -153,9 +153,10 @@ def test_hf_models_plan_cuda_kernels_as_the_cpu_kernel(fake_world, arch, world):
     with the mask split by query rows, where Ulysses would hold the whole (L, L) mask on every
     rank), with no activation all-gathered; with Ulysses forced, activation bytes are at most a
     hand-written Ulysses plan's where the 4 query heads split (K/V replicated where the 2 K/V
-    heads do not split over 4 ranks, as ALST replicates them). Pinned finding: the memory-efficient kernel takes no grouped K/V
-    (``AttentionOp.gqa``), so HF's repeated K/V are not folded into it and its ring passes K/V at
-    the 4 query heads, where the CPU flash kernel's passes the 2 K/V heads (2x the ring bytes)."""
+    heads do not split over 4 ranks, as ALST replicates them). Pinned finding: the
+    memory-efficient kernel takes no grouped K/V (``AttentionOp.gqa``), so HF's repeated K/V are
+    not folded into it and its ring passes K/V at the 4 query heads, where the CPU flash kernel's
+    passes the 2 K/V heads (2x the ring bytes)."""
     fake_world(world)
     gpu, cpu = _hf_plan(arch, world, "h100"), _hf_plan(arch, world)
     assert any(n.startswith(EFFICIENT_NOTE) for n in gpu.notes), gpu.notes
@@ -250,3 +251,19 @@ def test_gpu_attention_routes_sdpa_to_the_kernel_and_the_reference_matches_sdpa(
     grads = torch.autograd.grad(out.square().sum(), (q, k, v))
     for a, b in zip(grads, torch.autograd.grad(ref.square().sum(), (q, k, v))):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_plan_cli_traces_attention_as_the_devices_kernel(fake_world):
+    """``autosp plan --device h100`` plans the graph that GPU runs: its traces name CUDA's kernel
+    (the CLI's HF model passes no mask at a plan's lengths: flash in bf16; forced, memory-efficient)."""
+    from hf_models import TINY_HF
+
+    from autosp._cli import trace_plan
+
+    fake_world(4)
+    for forced, name in ((None, FLASH_NOTE), ("efficient", EFFICIENT_NOTE)):
+        plan = trace_plan(
+            TINY_HF, layers=1, seq=256, batch=1, sp=4, dtype=torch.bfloat16, device="h100", attention_kernel=forced
+        )
+        assert any(n.startswith(name) for n in plan.notes), plan.notes
+        assert plan.count("all_gather") == 0, str(plan)

@@ -1,7 +1,7 @@
 """autosp's modules import down the stack only, and no module imports itself back through
-others: annotations -> backend -> partition -> propagate -> the leaves (_graph, _lengths, _context,
-_devices, errors). Read from the source (every import statement, function-level ones included), so a lazy
-import that dodges a cycle at run time is caught too."""
+others: annotations -> backend -> partition -> propagate -> the leaves (_graph, _attention_ops,
+_lengths, _context, _devices, errors). Read from the source (every import statement,
+function-level ones included), so a lazy import that dodges a cycle at run time is caught too."""
 
 import ast
 from pathlib import Path
@@ -9,7 +9,14 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "autosp"
 # bottom to top; a module may import its own layer and the ones below
 LAYERS = [
-    ("autosp._graph", "autosp._lengths", "autosp._context", "autosp._devices", "autosp.errors"),
+    (
+        "autosp._graph",
+        "autosp._attention_ops",
+        "autosp._lengths",
+        "autosp._context",
+        "autosp._devices",
+        "autosp.errors",
+    ),
     ("autosp.propagate",),
     ("autosp.partition",),
     ("autosp.backend",),

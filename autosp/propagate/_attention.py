@@ -221,11 +221,21 @@ def _split_mask(mask, q, dim: int):
     return shard(dim) if mask is not None and mask.shape[dim] == q.shape[dim] and mask.ndim == 4 else R
 
 
+def _split(node: fx.Node, q, dim: int) -> Strategy:
+    """Attention with its heads (dim 1: Ulysses) or its batch (dim 0) split over the ranks."""
+    s = shard(dim)
+    return Strategy(
+        _outs(node, s),
+        _ins(node, _split_mask(mask_of(node), q, dim), **dict.fromkeys(_roles(node), s)),
+        introduces=dim == 1,
+        kernel=Kernel.ULYSSES if dim == 1 else Kernel.BATCH,
+    )
+
+
 @rule(*(k.forward for k in ATTENTION.values()))
 def _attention_forward(node, A, n):
     _refuse(node)
     q, k, v = qkv(node)
-    mask = mask_of(node)
     names = input_names(node)
     res = [Strategy(_outs(node, R), _ins(node))]
     seq = _seq_strategies(node, q, k, v, n)
@@ -241,15 +251,7 @@ def _attention_forward(node, A, n):
                 continue
             if dim == 0 and k.shape[0] != q.shape[0]:
                 continue
-            s = shard(dim)
-            res.append(
-                Strategy(
-                    _outs(node, s),
-                    _ins(node, _split_mask(mask, q, dim), **dict.fromkeys(_roles(node), s)),
-                    introduces=dim == 1,
-                    kernel=Kernel.ULYSSES if dim == 1 else Kernel.BATCH,
-                )
-            )
+            res.append(_split(node, q, dim))
     return res
 
 
@@ -257,7 +259,6 @@ def _attention_forward(node, A, n):
 def _attention_backward(node, A, n):
     _refuse(node)
     q, k, v = qkv(node)
-    mask = mask_of(node)
     names = input_names(node)
     roles = _roles(node)
     res = [Strategy(_outs(node, R), _ins(node))]
@@ -270,15 +271,7 @@ def _attention_backward(node, A, n):
             and can_shard(q.shape[0], 1, n)
             and can_shard(k.shape[0], 1, n)
         ):
-            s = shard(dim)
-            res.append(
-                Strategy(
-                    _outs(node, s),
-                    _ins(node, _split_mask(mask, q, dim), **dict.fromkeys(roles, s)),
-                    introduces=dim == 1,
-                    kernel=Kernel.ULYSSES if dim == 1 else Kernel.BATCH,
-                )
-            )
+            res.append(_split(node, q, dim))
     return res
 
 

@@ -9,6 +9,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ._devices import device
+
 __all__ = ["Kernel", "ATTENTION_KERNELS", "ATTENTION_CHOICES", "Options", "SpContext", "check_policy"]
 
 
@@ -71,6 +73,10 @@ class Options:
     dynamic: capture the step with the sequence lengths symbolic, one compile for every length
         (True, the default; the environment variable ``AUTOSP_DYNAMIC=0`` makes False the
         default), or compile once per length (False), e.g. ``dynamic=False``.
+    device: the accelerator the step is planned for, one of ``autosp._devices.DEVICES``: the
+        checkpointing pass weighs a byte written and a byte copied to the host against a flop
+        at its figures (an H100's 295 and 15,450 flop/B) instead of this CPU's 16;
+        ``autosp.explain(..., device=...)`` sets it, e.g. ``device="h100"``.
     """
 
     compiler: str = "inductor"
@@ -81,8 +87,11 @@ class Options:
     every_rung: bool = False
     check_inputs: bool = True
     dynamic: bool = field(default_factory=lambda: os.environ.get("AUTOSP_DYNAMIC", "1") != "0")
+    device: str | None = None
 
     def __post_init__(self):
+        if self.device is not None:
+            device(self.device)  # a clear error for a name not in the table
         if self.compiler not in ("inductor", "aot_eager"):
             raise ValueError(f"autosp: unknown compiler {self.compiler!r}; use 'inductor' or 'aot_eager'")
         check_policy(self.checkpoint)

@@ -267,3 +267,37 @@ def test_plan_cli_traces_attention_as_the_devices_kernel(fake_world):
         )
         assert any(n.startswith(name) for n in plan.notes), plan.notes
         assert plan.count("all_gather") == 0, str(plan)
+
+
+def test_device_figures_weigh_the_checkpointing_costs(fake_world):
+    """Planned for an H100, the checkpointing pass weighs a byte written at the H100's balance (295
+    flop/B, not this CPU's 16) and an offloaded byte at its host link's (15,450 flop/B): the same
+    rungs (the thresholds' named by their cost per byte), their offloaded twins' copies far dearer
+    against the step. Catches a plan for a GPU that
+    prices host copies as RAM-to-RAM copies (a CPU's), which makes offload look nearly free."""
+    from autosp.partition import Balance
+
+    h100 = Balance.of("h100")
+    assert h100.written == pytest.approx(989e12 / 3.35e12) and h100.copied == pytest.approx(989e12 / 64e9)
+    fake_world(2)
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(heads=4, kv_heads=2, dim=64, layers=LAYERS)).to(torch.bfloat16)
+    ids = torch.randint(0, 256, (1, L))
+    rungs = {}
+    with autosp.mesh(sp=2):
+        step = autosp.shard(
+            lambda input_ids, labels: model(input_ids, labels),
+            compiler="aot_eager",
+            checkpoint="full",
+            every_rung=True,
+            offload=True,
+        )
+        for device in (None, "h100"):  # the same graph (CUDA's flash kernel), weighed at two machines' figures
+            plan = autosp.explain(step, ids, ids, device=device, attention_kernel="flash")
+            rungs[device] = {r.name: r for r in plan.checkpoint.rungs}
+    # the same rungs but the thresholds', which are named by their cost per byte
+    assert {k for k in rungs[None] if "flop/B" not in k} == {k for k in rungs["h100"] if "flop/B" not in k}
+    cpu, gpu = rungs[None]["full, offloaded"], rungs["h100"]["full, offloaded"]
+    assert cpu.copied == 16.0 and gpu.copied == h100.copied
+    assert cpu.memory.host == gpu.memory.host > 0
+    assert gpu.copies > 20 * cpu.copies, (gpu.copies, cpu.copies)

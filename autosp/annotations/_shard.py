@@ -11,7 +11,6 @@ import torch.nn as nn
 
 from .._attention_ops import gpu_attention
 from .._context import Options
-from .._devices import device as accelerator
 from ..backend._fsdp import detach_forward_hooks
 from ..backend._step import SeqSpec, ShardedStep
 from ._mesh import current_mesh
@@ -58,7 +57,8 @@ def explain(fn, *args, device: str | None = None, attention_kernel: str | None =
         ("h100", "h200", "a100", "b200", "mi300x"), e.g. ``device="h100"``. Attention is traced as
         the kernel SDPA picks there for the inputs' dtype (CUDA flash for bf16 and fp16 without a
         mask); the tensors stay where they are (a CPU build of torch cannot run autograd on fake
-        CUDA tensors). The kernel is named in the plan's notes.
+        CUDA tensors). The kernel is named in the plan's notes, and the device's figures weigh the
+        checkpointing pass's costs (``Options.device``).
     attention_kernel: force one GPU kernel ("flash"), as ``torch.nn.attention.sdpa_kernel`` does.
     """
     target = fn.forward if isinstance(fn, nn.Module) else fn
@@ -66,7 +66,7 @@ def explain(fn, *args, device: str | None = None, attention_kernel: str | None =
         target = ShardedStep(target, True, Options(compiler="aot_eager"), current_mesh)
     if device is None and attention_kernel is None:
         return target.explain(*args, **kwargs)
-    if device is not None:
-        accelerator(device)  # a clear error for a name not in the table
+    if device is not None:  # its figures weigh the checkpointing pass's costs (``Options.device``)
+        target = target.with_options(device=device)
     with gpu_attention(attention_kernel):
         return target.explain(*args, **kwargs)

@@ -34,6 +34,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from .._context import Options, SpContext
 from ..errors import collective_error
 from ..partition import (
+    Balance,
     Checkpoint,
     TileGuard,
     Tiling,
@@ -279,6 +280,7 @@ def _checkpoint(c: Compile, ctx: SpContext) -> None:
             tiled=functools.partial(per_rank_graph, c, ctx, tiled=True) if c.tiling is not None else None,
             tiles=c.tiling.count if c.tiling is not None else 1,
             offload=ctx.options.offload,
+            balance=Balance.of(ctx.options.device),
             **c.kwargs,
         )
     # a symbolic compile serves the lengths that make its tile count only where the count

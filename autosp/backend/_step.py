@@ -6,6 +6,7 @@ errors. With dp > 1 each rank is called with its own dp replica's batch (DDP's c
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import inspect
 import logging
@@ -278,6 +279,10 @@ class ShardedStep:
 
     def _record(self, plan) -> None:
         self.plan = plan
+
+    def with_options(self, **changes) -> ShardedStep:
+        """The same step with some options changed, compiled on its own."""
+        return ShardedStep(self.fn, self.seq, dataclasses.replace(self.options, **changes), self._current_mesh)
 
     def _compiled_for(self, m, key: tuple, dynamic: bool) -> Callable:
         """The compiled step for ``key`` (mesh, input shapes), compiled on first use."""

@@ -57,6 +57,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .._context import check_policy
+from .._devices import device as accelerator
 from .._graph import graph_module, hint, is_attention, is_attention_backward, op_args, out_bytes, out_vals
 from ..errors import PlanError
 from ._fsdp import GATHER as _FSDP_GATHER
@@ -64,11 +65,32 @@ from ._fsdp import fsdp_tags
 from ._memory import MemoryEstimate, _nbytes, at_length, estimate_memory, sequence_peak
 from ._offload import offload_saved
 
-__all__ = ["Checkpoint", "Rung", "RungSpec", "checkpoint_partition", "select"]
+__all__ = ["Balance", "Checkpoint", "Rung", "RungSpec", "checkpoint_partition", "select"]
 
 # flops a CPU core does in the time it writes one byte of a pointwise op's output: 132.6 GFLOP/s
 # (4096x256 @ 256x768 fp32 matmul) against 7.4 GB/s (4096x768 multiply), one thread, this machine
 MACHINE_BALANCE = 16.0
+
+
+@dataclass(frozen=True, slots=True)
+class Balance:
+    """How the pass weighs a byte against a flop: ``written``, the flops the device does in the
+    time it writes one byte of memory (its machine balance: a recomputed op costs its flops plus
+    this times its bytes); ``copied``, in the time one byte crosses the host link (an offloaded
+    activation's copy out or back). This CPU's by default; a device's from its public figures
+    (``Options.device``, ``_devices.DEVICES``): an H100's 295 and 15,450 flop/B, against 16 and 16."""
+
+    written: float = MACHINE_BALANCE
+    copied: float = MACHINE_BALANCE
+
+    @classmethod
+    def of(cls, device: str | None) -> Balance:
+        if device is None:
+            return cls()
+        dev = accelerator(device)
+        return cls(dev.balance, dev.bf16_flops / dev.host_bandwidth)
+
+
 # "auto" spends at most this fraction of the step's estimated cost on recomputation: the step
 # time the default may cost (measured, small preset at 8192 tokens over 2: the "full" rung,
 # estimated +8.9%, ran +6% for half the memory; tests/memory_probe.py)
@@ -144,6 +166,7 @@ class Rung:
     comm: float = 0.0
     # the part of ``recompute`` that recomputes attention (whole layers)
     recompute_attention: float = 0.0
+    copied: float = MACHINE_BALANCE  # flop-equivalents of a byte's copy to the host (``Balance``)
 
     @property
     def name(self) -> str:
@@ -157,7 +180,7 @@ class Rung:
     def copies(self) -> float:
         """The part of ``overhead`` an offloaded rung's copies to the host and back make (its
         ``memory.host`` bytes, each written twice)."""
-        return 2 * self.memory.host * MACHINE_BALANCE / max(self.step, 1.0)
+        return 2 * self.memory.host * self.copied / max(self.step, 1.0)
 
     @property
     def weighed(self) -> tuple[int, float]:
@@ -313,12 +336,13 @@ def _flops(nd: fx.Node, read: Callable = hint) -> float:
     return 0.0
 
 
-def _cost(nd: fx.Node, read: Callable | None = None) -> float:
-    """A node's estimated cost, its sizes at their hints or read with ``read`` (``at_length``)."""
+def _cost(nd: fx.Node, read: Callable | None = None, balance: float = MACHINE_BALANCE) -> float:
+    """A node's estimated cost, its sizes at their hints or read with ``read`` (``at_length``):
+    its flops plus ``balance`` times the bytes it writes."""
     if read is None:
-        return _flops(nd) + MACHINE_BALANCE * out_bytes(nd)
+        return _flops(nd) + balance * out_bytes(nd)
     written = sum(read(math.prod(v.shape)) * v.element_size() for v in out_vals(nd) if v is not None)
-    return _flops(nd, read) + MACHINE_BALANCE * written
+    return _flops(nd, read) + balance * written
 
 
 def _kind(nd: fx.Node) -> str:
@@ -495,11 +519,18 @@ class _Ladder:
     cost: dict[str, float]
     longer: tuple[int, Callable, dict[str, float]] | None = None
     layers: frozenset[str] = frozenset()  # the forward ops inside the repeated blocks (not the head's)
+    balance: float = MACHINE_BALANCE  # ``Balance.written``
 
     @classmethod
-    def of(cls, gm: fx.GraphModule, tiles: int = 1, longer: tuple[int, Callable] | None = None) -> _Ladder:
+    def of(
+        cls,
+        gm: fx.GraphModule,
+        tiles: int = 1,
+        longer: tuple[int, Callable] | None = None,
+        balance: float = MACHINE_BALANCE,
+    ) -> _Ladder:
         ops = [nd for nd in gm.graph.nodes if nd.op == "call_function"]
-        cost = {nd.name: _cost(nd) for nd in ops}
+        cost = {nd.name: _cost(nd, None, balance) for nd in ops}
         rungs, regions = _layer_tags(gm, cost, tiles)
         # FSDP2's parameter gathers: re-gathered in the backward (or kept) under every policy
         params = fsdp_tags(gm)
@@ -508,18 +539,18 @@ class _Ladder:
         if longer is not None:
             length, read = longer
             try:
-                longer = (length, read, {nd.name: _cost(nd, read) for nd in ops})
+                longer = (length, read, {nd.name: _cost(nd, read, balance) for nd in ops})
             except _UNREAD:
                 longer = None
-        return cls(gm, rungs, regions, cost, longer, frozenset(nd.name for nd in _forward_ops(gm)))
+        return cls(gm, rungs, regions, cost, longer, frozenset(nd.name for nd in _forward_ops(gm)), balance)
 
     def cost_of(self, nd: fx.Node, longer: bool = False) -> float:
         """A node's cost (at the longer length); a backward node is named as the forward op it
         recomputes."""
         if longer:
             _, read, cost = self.longer
-            return cost[nd.name] if nd.name in cost else _cost(nd, read)
-        return self.cost[nd.name] if nd.name in self.cost else _cost(nd)
+            return cost[nd.name] if nd.name in cost else _cost(nd, read, self.balance)
+        return self.cost[nd.name] if nd.name in self.cost else _cost(nd, None, self.balance)
 
     def total(self, longer: bool = False) -> tuple[float, float]:
         """The estimated cost of the whole step without recomputation, and of its attention."""
@@ -681,6 +712,7 @@ class _Partitioner:
     # (ladder, tags) -> the partitioner's (forward, backward): an offloaded twin starts from a
     # copy of its base rung's, not from another min-cut
     partitioned: dict = dataclasses.field(default_factory=dict)
+    copied: float = MACHINE_BALANCE  # ``Balance.copied``
 
     def _partition(self, ladder: _Ladder, tags: Tags):
         key = (id(ladder), id(tags))
@@ -696,7 +728,7 @@ class _Partitioner:
     def __call__(self, ladder: _Ladder, spec: RungSpec, tags: Tags):
         """(Rung, forward, backward); on a tiled ``ladder``, the tiles' joins and partial sums
         count as recompute (views, the tiles' slices, write nothing); an offloaded rung's copies
-        to the host and back count as writing their bytes twice."""
+        to the host and back count as their bytes twice over the host link (``Balance.copied``)."""
         fw, bw = self._partition(ladder, tags)
         if spec.offload:  # torch's pass rewrites the graphs in place: on copies of the base rung's
             fw, bw = _graph_copy(fw)[0], _graph_copy(bw)[0]
@@ -705,7 +737,7 @@ class _Partitioner:
 
         def recompute(longer: bool = False, host: int = memory.host) -> float:
             extra = max(ladder.written(longer) - self.base.written(longer), 0.0) if ladder is not self.base else 0.0
-            return ladder.recompute_cost(fw, bw, tags, longer) + extra + 2 * host * MACHINE_BALANCE
+            return ladder.recompute_cost(fw, bw, tags, longer) + extra + 2 * host * self.copied
 
         step, attention = self.base.total()
         longer = None
@@ -728,6 +760,7 @@ class _Partitioner:
             written=written,
             comm=_resent(fw, bw),
             recompute_attention=ladder.attention_again(tags),
+            copied=self.copied,
         )
         return rung, fw, bw
 
@@ -955,7 +988,7 @@ def _beyond(ladder: _Ladder, partition: _Partitioner, tiled, tiles: int, longer,
     and their offloaded twins."""
     more = [(ladder, spec, tags) for spec, tags in ladder.rungs]
     if tiled is not None:
-        tiled_ladder = _Ladder.of(tiled(), tiles, longer)
+        tiled_ladder = _Ladder.of(tiled(), tiles, longer, ladder.balance)
         more += [(tiled_ladder, spec, tags) for spec, tags in tiled_ladder.rungs]
     full = [r for r in more if r[1].kind == "full"]
     layers = [r for r in more if r[1].kind == "layers"] if every_rung else []
@@ -979,6 +1012,7 @@ def checkpoint_partition(
     tiled: Callable[[], fx.GraphModule] | None = None,
     tiles: int = 1,
     offload: bool = False,
+    balance: Balance = Balance(),
     **kwargs,
 ):
     """Partition the per-rank joint graph under ``policy``: (forward, backward, Checkpoint). The
@@ -994,7 +1028,7 @@ def checkpoint_partition(
     over the ranks; with it, a budget's decision says the lengths it holds for
     (``Checkpoint.lengths``, ``_budget_lengths``). ``offload``: each rung that recomputes every
     layer op also has a twin whose saved layer activations are in host memory (``_offload``),
-    weighed after it."""
+    weighed after it. ``balance``: how a byte weighs against a flop (a device's, ``Balance.of``)."""
     check_policy(policy)
     every_rung = every_rung or isinstance(policy, int)
     longer = None
@@ -1002,8 +1036,8 @@ def checkpoint_partition(
     if found is not None:  # a symbolic length: one rung for every length, weighed at a longer one
         symbol, start = found
         longer = (AUTO_LONGER * start, at_length(symbol, AUTO_LONGER * start))
-    ladder = _Ladder.of(gm, longer=longer)
-    partition = _Partitioner(joint_inputs, num_fwd_outputs, kwargs, ladder)
+    ladder = _Ladder.of(gm, longer=longer, balance=balance.written)
+    partition = _Partitioner(joint_inputs, num_fwd_outputs, kwargs, ladder, copied=balance.copied)
     rungs = [(spec, tags) for spec, tags in ladder.rungs if spec.kind != "layers"]
     if policy in ("none", "full") and not every_rung:
         rungs = rungs[:1] if policy == "none" else rungs[-1:]

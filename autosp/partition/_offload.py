@@ -59,8 +59,14 @@ def offload_saved(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, 
     or read for offloading and runs torch's pass on the partitioned ``fw`` and ``bw`` (in place):
     the number of values moved."""
     views = get_default_op_list()
+    # the backward's inputs, named as the forward's saved values but for the RNG state the
+    # partitioner saves for a recomputed random op (``run_and_save_rng_state``'s getitem, whose
+    # fresh name may be a layer op's of the joint graph: CUDA's flash kernel in whole layers)
+    inputs = {p.name for p in bw.graph.find_nodes(op="placeholder")}
     for nd in tree_leaves(fw.graph.output_node().args)[num_fwd_outputs:]:
         if not isinstance(nd, fx.Node) or nd.op != "call_function" or not isinstance(nd.meta.get("val"), torch.Tensor):
+            continue
+        if nd.name not in inputs:
             continue
         if nd.name in layers or any(u.name in layers for u in nd.users):
             moved = nd.target is operator.getitem or views.is_view(nd) or not nd.meta["val"].is_contiguous()

@@ -4,8 +4,9 @@ rules (``propagate._attention``), the per-rank calls (``partition._attention``),
 passes (``partition._gqa``), FLOPs and the plan's notes read a kernel through its record, its
 arguments by schema name, never by position: adding a kernel is one record here.
 
-Two kernels: the CPU flash kernel SDPA runs on CPU, and CUDA's flash kernel (what SDPA runs on
-an H100 for bf16 or fp16 without a mask). ``gpu_attention`` routes ``F.scaled_dot_product_attention``
+Three kernels: the CPU flash kernel SDPA runs on CPU, CUDA's flash kernel (what SDPA runs on an
+H100 for bf16 or fp16 without a mask) and CUDA's memory-efficient kernel (fp32, or a mask; its
+log-sum-exp's rows padded to a multiple of 32). ``gpu_attention`` routes ``F.scaled_dot_product_attention``
 to a kernel of this table while a step is traced (``autosp.explain(..., device="h100")``), so the
 plan is made for the graph that GPU runs, on any machine. A leaf: it imports nothing from autosp.
 """
@@ -150,9 +151,12 @@ def _padded(lse, rows: int):
 
 
 def _aligned(bias):
-    """The bias as SDPA hands it to the memory-efficient kernel: a row's storage padded to a
-    multiple of 16 elements (the kernel's alignment; a block's columns, narrowed, may not be)."""
-    if bias is None or bias.shape[-1] % 16 == 0:
+    """The bias as SDPA hands it to the memory-efficient kernel: copied into rows padded to a
+    multiple of 16 elements, so that its start and its row stride are aligned as the kernel
+    checks them (a ring block's columns, narrowed from the mask, start anywhere and keep the
+    whole row's stride). Always copied: a test of the stride on a symbolic length would guard
+    the compile on the length modulo 16."""
+    if bias is None:
         return bias
     return torch.nn.functional.pad(bias, (0, -bias.shape[-1] % 16))[..., : bias.shape[-1]]
 
@@ -239,24 +243,39 @@ def input_names(node: fx.Node) -> list[str]:
     return names
 
 
-def gpu_kernel(dtype: torch.dtype, has_mask: bool, head_dim: int, forced: str | None = None) -> AttentionOp:
+def gpu_kernel(
+    dtype: torch.dtype,
+    has_mask: bool,
+    head_dim: int,
+    forced: str | None = None,
+    square: bool = True,
+    grouped: bool = False,
+) -> AttentionOp | None:
     """The kernel SDPA runs on a recent NVIDIA GPU (sm80 and later: A100, H100, H200, B200) for
-    these inputs, as torch's dispatcher orders them (flash, then memory-efficient, then math):
-    flash for fp16 and bf16 without a mask and head dims up to 256 in multiples of 8, else the
-    memory-efficient kernel (fp32, or a mask) for head dims in multiples of 8. ``forced``:
-    one of ``GPU_KERNELS``, as ``torch.nn.attention.sdpa_kernel`` would force it."""
+    these inputs, in torch's default order (flash, then memory-efficient, then math): flash for
+    fp16 and bf16 without a mask, head dims up to 256 (SDPA pads them to 8) and, under a causal
+    mask, as many queries as keys (``square``); else the memory-efficient kernel (fp32, or a
+    mask) for head dims in multiples of 4 (fp32) or 8, K/V heads as many as the query's (not
+    ``grouped``); else None: SDPA's math fallback, whose ops are planned one by one. Not
+    modelled: torch builds that put cuDNN's kernel first on sm90 and later with a recent cuDNN
+    (cuDNN has no record yet). ``forced``: one of ``GPU_KERNELS``, as
+    ``torch.nn.attention.sdpa_kernel`` would force it (an error where it cannot run)."""
     if forced is not None:
         if forced not in GPU_KERNELS:
             raise ValueError(f"autosp: attention_kernel={forced!r}; use one of {sorted(GPU_KERNELS)}")
-        return GPU_KERNELS[forced]
-    if dtype in (torch.float16, torch.bfloat16) and not has_mask and head_dim <= 256 and head_dim % 8 == 0:
+        op = GPU_KERNELS[forced]
+        if grouped and not op.gqa:
+            raise NotImplementedError(
+                f"autosp: attention_kernel={forced!r} with grouped K/V heads (enable_gqa): the {op.name} kernel "
+                "takes none; repeat K/V before attention, or force 'flash'"
+            )
+        return op
+    half = dtype in (torch.float16, torch.bfloat16)
+    if half and not has_mask and head_dim <= 256 and square:
         return CUDA_FLASH
-    if dtype in (torch.float16, torch.bfloat16, torch.float32) and head_dim % 8 == 0:
+    if ((half and head_dim % 8 == 0) or (dtype == torch.float32 and head_dim % 4 == 0)) and not grouped:
         return EFFICIENT
-    raise NotImplementedError(
-        f"autosp: on the GPU, SDPA would run this attention ({dtype}, head dim {head_dim}) as its math "
-        "fallback, which autosp plans op by op only on CPU; force a kernel with attention_kernel="
-    )
+    return None
 
 
 class gpu_attention(TorchFunctionMode):
@@ -279,19 +298,20 @@ class gpu_attention(TorchFunctionMode):
 
 
 def _sdpa_as(forced, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    op = gpu_kernel(query.dtype, attn_mask is not None, query.shape[-1], forced)
-    if key.shape[-3] != query.shape[-3] and not enable_gqa:
+    grouped = key.shape[-3] != query.shape[-3]
+    if grouped and not enable_gqa:
         raise ValueError(
             f"autosp: {query.shape[-3]} query heads and {key.shape[-3]} K/V heads need enable_gqa=True, as in SDPA"
         )
-    if key.shape[-3] != query.shape[-3] and not op.gqa:  # as SDPA's dispatcher does for this kernel
-        rep = query.shape[-3] // key.shape[-3]
-        key, value = key.repeat_interleave(rep, -3), value.repeat_interleave(rep, -3)
+    square = not is_causal or query.shape[-2] == key.shape[-2]
+    op = gpu_kernel(query.dtype, attn_mask is not None, query.shape[-1], forced, square, grouped)
+    if op is None:  # SDPA's math fallback: its ops, planned one by one as on CPU
+        return aten._scaled_dot_product_attention_math(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+        )[0]
     if op is CUDA_FLASH:
         if attn_mask is not None:
-            raise NotImplementedError(
-                "autosp: CUDA's flash kernel takes no attention mask; force attention_kernel='efficient'"
-            )
+            raise NotImplementedError("autosp: CUDA's flash kernel takes no mask; force attention_kernel='efficient'")
         return op.forward(query, key, value, dropout_p, is_causal, scale=scale)[0]
     if attn_mask is not None and attn_mask.dtype == torch.bool:  # SDPA's conversion to an additive bias
         attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill(~attn_mask, float("-inf"))

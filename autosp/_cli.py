@@ -30,6 +30,7 @@ import torch
 from ._attention_ops import GPU_KERNELS
 from ._context import ATTENTION_CHOICES
 from ._devices import DEVICES, device
+from ._devices import device as accelerator
 
 __all__ = ["main", "PRESETS", "PlanFit", "trace_plan", "max_sequence"]
 
@@ -180,9 +181,13 @@ def trace_plan(
         attention=attention,
         offload=offload,
         dynamic=False,  # a plan at this length exactly (its fit extrapolates in the length)
+        device=device,
     )
+    # attention as the GPU's kernel where autosp has its records (NVIDIA's); the device's figures
+    # weigh the checkpointing costs on any device
+    gpu = device if device is not None and accelerator(device).vendor == "nvidia" else None
     with autosp.mesh(sp=sp, ulysses=ulysses):
-        return autosp.explain(step, ids, ids, device=device, attention_kernel=attention_kernel)
+        return autosp.explain(step, ids, ids, device=gpu, attention_kernel=attention_kernel)
 
 
 class PlanFit:

@@ -30,6 +30,7 @@ class Device:
     host_bandwidth: float  # per GPU, per direction
     per_node: int = 8  # GPUs a node holds (the scale-up domain)
     source: str = ""
+    vendor: str = "nvidia"  # whose attention kernels SDPA runs there (``_attention_ops``)
 
     @property
     def balance(self) -> float:
@@ -81,7 +82,15 @@ DEVICES = {
     # Fabric 7 links x 128 GB/s (896 GB/s, both directions), PCIe Gen5 x16 128 GB/s; one 400 Gb/s
     # NIC per GPU in the 8-GPU platform
     "mi300x": Device(
-        "mi300x", 1307.4 * TB, 192 * GB, 5.3 * TB, 448 * GB, 50 * GB, 64 * GB, source="AMD Instinct MI300X data sheet"
+        "mi300x",
+        1307.4 * TB,
+        192 * GB,
+        5.3 * TB,
+        448 * GB,
+        50 * GB,
+        64 * GB,
+        source="AMD Instinct MI300X data sheet",
+        vendor="amd",
     ),
 }
 

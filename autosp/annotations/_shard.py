@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from .._attention_ops import gpu_attention
 from .._context import Options
+from .._devices import device as accelerator
 from ..backend._fsdp import detach_forward_hooks
 from ..backend._step import SeqSpec, ShardedStep
 from ._mesh import current_mesh
@@ -59,7 +60,8 @@ def explain(fn, *args, device: str | None = None, attention_kernel: str | None =
         mask); the tensors stay where they are (a CPU build of torch cannot run autograd on fake
         CUDA tensors). The kernel is named in the plan's notes, and the device's figures weigh the
         checkpointing pass's costs (``Options.device``).
-    attention_kernel: force one GPU kernel ("flash"), as ``torch.nn.attention.sdpa_kernel`` does.
+    attention_kernel: force one GPU kernel ("flash" or "efficient"), as
+        ``torch.nn.attention.sdpa_kernel`` does.
     """
     target = fn.forward if isinstance(fn, nn.Module) else fn
     if not isinstance(target, ShardedStep):
@@ -67,6 +69,12 @@ def explain(fn, *args, device: str | None = None, attention_kernel: str | None =
     if device is None and attention_kernel is None:
         return target.explain(*args, **kwargs)
     if device is not None:  # its figures weigh the checkpointing pass's costs (``Options.device``)
+        if accelerator(device).vendor != "nvidia":
+            raise NotImplementedError(
+                f"autosp: explain(device={device!r}): the attention kernels recorded are NVIDIA's (ROCm's differ: "
+                "an unpadded log-sum-exp, other RNG outputs); name an NVIDIA device, or set Options.device for "
+                "the checkpointing costs alone"
+            )
         target = target.with_options(device=device)
     with gpu_attention(attention_kernel):
         return target.explain(*args, **kwargs)

@@ -198,6 +198,22 @@ def _graph_break(e: Exception) -> GraphBreakError:
     )
 
 
+_RAISED = re.compile(r"raised exception (NotImplementedError|ValueError)\((['\"])(autosp: .*?)\2\)", re.S)
+_RAISED_TYPES = {"NotImplementedError": NotImplementedError, "ValueError": ValueError}
+
+
+def _raised_in_step(e: Exception) -> Exception | None:
+    """An autosp error raised while Dynamo traced the step (``gpu_attention``'s choice of a GPU
+    kernel), which Dynamo reports as a graph break ("Observed exception", the error's repr in its
+    cause): the error itself, for the user to read."""
+    while e is not None:
+        found = _RAISED.search(str(e))
+        if found:
+            return _RAISED_TYPES[found.group(1)](found.group(3))
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def _recompile_limit() -> RecompileLimitError:
     reasons = [str(r) for rs in torch._dynamo.utils.guard_failures.values() for r in rs]
     last = f" (the last time: {reasons[-1].strip().splitlines()[0]})" if reasons else ""
@@ -221,7 +237,7 @@ def _unwrap_errors(call):
             raise inner.with_traceback(None) from None
         raise
     except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
-        raise _graph_break(e) from None
+        raise (_raised_in_step(e) or _graph_break(e)) from None
     except RuntimeError as e:
         error = collective_error(e)
         if error is not None:

@@ -147,7 +147,7 @@ class Localizer(fx.Interpreter):
                 u,
                 f"the {op.name} kernel's log-sum-exp, its rows padded to a multiple of {op.lse_rows}, would move "
                 f"from {p} to {q} between its forward and backward: padded rows do not split as the sequence does",
-                "force one attention kernel with autosp.shard(attention=...)",
+                "this is an autosp bug (the solver never plans it); please report it with this message",
             )
         shape = [retraced(x) for x in out_vals(u)[i].shape]
         y = redistribute(self.value(u, i), p, q, ctx.n, ctx.rank, ctx.group, shape)

@@ -34,6 +34,7 @@ __all__ = [
     "EFFICIENT",
     "attention_op",
     "input_names",
+    "call_grouped",
     "padded_lse",
     "gpu_attention",
     "gpu_kernel",
@@ -162,15 +163,15 @@ def _aligned(bias):
 
 
 def _efficient_run(q, k, v, is_causal, mask, scale):
-    out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, _aligned(mask), True, 0.0, is_causal, scale=scale)[
-        :2
-    ]
+    forward = aten._scaled_dot_product_efficient_attention.default
+    out, lse = call_grouped(forward, q, k, v, _aligned(mask), True, 0.0, is_causal, scale=scale)[:2]
     return out, lse[..., : q.shape[2]]
 
 
 def _efficient_run_backward(grad_out, q, k, v, out, lse, is_causal, mask, scale):
     seed, offset = (q.new_zeros((), dtype=torch.int64) for _ in range(2))
-    return aten._scaled_dot_product_efficient_attention_backward(
+    return call_grouped(
+        aten._scaled_dot_product_efficient_attention_backward.default,
         grad_out,
         q,
         k,
@@ -241,6 +242,28 @@ def input_names(node: fx.Node) -> list[str]:
         leaves, _ = tree_flatten(a)
         names += [name for x in leaves if isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)]
     return names
+
+
+def call_grouped(target, *args, **kwargs):
+    """``target`` (a forward or backward of the table) with K/V of fewer heads than the query's:
+    as it is where the kernel takes them (``gqa``), else on K/V repeated to the query's heads
+    (query head j reads K/V head j // rep, as Hugging Face's ``repeat_kv`` lays them out), the K/V
+    gradients summed back over the copies. Every kernel takes query, key and value first, and its
+    backward them after the incoming gradient."""
+    op = ATTENTION[target]
+    at = 1 if target is op.backward else 0
+    q, k, v = args[at : at + 3]
+    rep = q.shape[1] // k.shape[1]
+    if op.gqa or rep == 1:
+        return target(*args, **kwargs)
+    repeated = tuple(x.repeat_interleave(rep, 1) for x in (k, v))
+    out = target(*args[: at + 1], *repeated, *args[at + 3 :], **kwargs)
+    if target is op.forward:
+        return out
+    out = list(out)
+    for i, x in ((1, k), (2, v)):
+        out[i] = out[i].unflatten(1, (x.shape[1], rep)).sum(2)
+    return tuple(out)
 
 
 def gpu_kernel(

@@ -10,6 +10,9 @@ the repeated call, measured to 1e-15 in fp64), so this pass hands the attention 
 unrepeated K/V and takes the K/V gradients straight from the kernel. The repeated K/V and their
 gradients (each as large as the query) are then never built: under checkpointing they were
 rebuilt in the backward for every layer, and at the attention backward they were the largest transients.
+A kernel that takes no grouped K/V (CUDA's memory-efficient one) gets them folded too: its
+per-rank call repeats this rank's K/V just before the kernel (``_attention_ops.call_grouped``),
+after the collectives, so ring attention passes and K/V gathers move the unrepeated K/V.
 
 Folded only where nothing is lost: the K/V heads split evenly over the sp ranks (else the repeat
 is what lets Ulysses split the heads), and the repeated K/V feed nothing but the attention ops.
@@ -34,7 +37,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
-from .._attention_ops import FORWARDS, attention_op
+from .._attention_ops import FORWARDS, attention_op, call_grouped
 from .._context import Kernel, SpContext
 from .._graph import hint, nbytes, out_vals
 from ..errors import source_line
@@ -88,9 +91,9 @@ def _fake(a):
 
 def _rerun(nd: fx.Node):
     """The node's op on its (new) inputs' fake values: its outputs' new shapes (fake tensors
-    dispatch to their own mode)."""
+    dispatch to their own mode); an attention op as it runs on grouped K/V (``call_grouped``)."""
     args, kwargs = tree_map(_fake, (nd.args, nd.kwargs))
-    return nd.target(*args, **kwargs)
+    return call_grouped(nd.target, *args, **kwargs) if attention_op(nd.target) else nd.target(*args, **kwargs)
 
 
 def _dims(g: fx.Graph, x: fx.Node, shape) -> list:
@@ -148,8 +151,6 @@ def fold_kv_repeats(gm: fx.GraphModule, n: int) -> list[str]:
     folded attention op."""
     g, notes = gm.graph, []
     for fwd in _forwards(g):
-        if not attention_op(fwd.target).gqa:
-            continue
         k, v = fwd.args[1], fwd.args[2]
         rk, rv = _repeated(k), _repeated(v)
         if rk is None or rv is None or rk[1] != rv[1] or out_vals(rk[0])[0].shape[1] % n:
@@ -180,6 +181,13 @@ def fold_kv_repeats(gm: fx.GraphModule, n: int) -> list[str]:
                 prev = x.args[0]
                 g.erase_node(x)
                 x = prev
+        if not attention_op(fwd.target).gqa:
+            notes.append(
+                f"attention at {source_line(fwd)}: K/V repeated {rep}x before it are moved unrepeated "
+                f"(grouped-query attention, {out_vals(ks)[0].shape[1]} K/V heads), and repeated on each rank "
+                f"just before the {attention_op(fwd.target).name} kernel, which takes no grouped K/V"
+            )
+            continue
         notes.append(
             f"attention at {source_line(fwd)}: K/V repeated {rep}x before it are handed to the kernel "
             f"unrepeated (grouped-query attention, {out_vals(ks)[0].shape[1]} K/V heads): the repeated K/V "

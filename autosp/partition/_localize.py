@@ -15,6 +15,7 @@ device returns them (``_outputs``: gradients summed over sp, averaged over dp).
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
@@ -25,7 +26,7 @@ from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._pytree import tree_map
 
-from .._attention_ops import padded_lse
+from .._attention_ops import ATTENTION, call_grouped, padded_lse
 from .._context import SpContext
 from .._graph import out_vals, retraced, tensor_inputs
 from ..errors import PlanError
@@ -75,8 +76,15 @@ def _pad_call(nd, s, target, args, kwargs, ctx):
     return pad_contiguous, args, kwargs
 
 
+def _grouped_call(nd, s, target, args, kwargs, ctx):
+    """An attention op of a kernel that takes no grouped K/V, on this rank's heads or sequences:
+    its K/V repeated just before it (``_attention_ops.call_grouped``; folded K/V repeats)."""
+    return functools.partial(call_grouped, target), args, kwargs
+
+
 # op -> its per-rank call: (node, strategy, target, args, kwargs, ctx) -> (target, args, kwargs)
 OVERRIDES = {
+    **{op: _grouped_call for k in ATTENTION.values() if not k.gqa for op in (k.forward, k.backward)},
     aten.native_dropout.default: dropout_call,
     REDUCE: fsdp_reduce_call,
     aten.constant_pad_nd.default: _pad_call,

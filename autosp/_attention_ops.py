@@ -4,11 +4,12 @@ rules (``propagate._attention``), the per-rank calls (``partition._attention``),
 passes (``partition._gqa``), FLOPs and the plan's notes read a kernel through its record, its
 arguments by schema name, never by position: adding a kernel is one record here.
 
-Three kernels: the CPU flash kernel SDPA runs on CPU, CUDA's flash kernel (what SDPA runs on an
-H100 for bf16 or fp16 without a mask) and CUDA's memory-efficient kernel (fp32, or a mask; its
-log-sum-exp's rows padded to a multiple of 32). ``gpu_attention`` routes ``F.scaled_dot_product_attention``
-to a kernel of this table while a step is traced (``autosp.explain(..., device="h100")``), so the
-plan is made for the graph that GPU runs, on any machine. A leaf: it imports nothing from autosp.
+Four kernels: the CPU flash kernel SDPA runs on CPU, CUDA's flash kernel (what SDPA runs on an
+H100 for bf16 or fp16 without a mask), CUDA's memory-efficient kernel (fp32, or a mask; its
+log-sum-exp's rows padded to a multiple of 32) and cuDNN's (forced only). ``gpu_attention``
+routes ``F.scaled_dot_product_attention`` to a kernel of this table while a step is traced
+(``autosp.explain(..., device="h100")``), so the plan is made for the graph that GPU runs, on any
+machine. A leaf: it imports nothing from autosp.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = [
     "CPU_FLASH",
     "CUDA_FLASH",
     "EFFICIENT",
+    "CUDNN",
     "attention_op",
     "input_names",
     "call_grouped",
@@ -208,14 +210,64 @@ EFFICIENT = AttentionOp(
     outputs=_efficient_outputs,
 )
 
+
+def _cudnn_run(q, k, v, is_causal, mask, scale):
+    forward = aten._scaled_dot_product_cudnn_attention.default
+    out, lse = call_grouped(forward, q, k, v, mask, True, 0.0, is_causal, False, scale=scale)[:2]
+    return out, lse.squeeze(-1)
+
+
+def _cudnn_run_backward(grad_out, q, k, v, out, lse, is_causal, mask, scale):
+    seed, offset = (q.new_zeros((), dtype=torch.int64) for _ in range(2))
+    backward = aten._scaled_dot_product_cudnn_attention_backward.default
+    return call_grouped(
+        backward,
+        grad_out,
+        q,
+        k,
+        v,
+        out,
+        lse.unsqueeze(-1),
+        seed,
+        offset,
+        mask,
+        None,
+        None,
+        q.shape[2],
+        k.shape[2],
+        0.0,
+        is_causal,
+        scale=scale,
+    )[:3]
+
+
+def _cudnn_outputs(out, lse, q, k):
+    seed, offset = (q.new_zeros((), dtype=torch.int64) for _ in range(2))
+    return (out, lse.unsqueeze(-1), None, None, q.shape[2], k.shape[2], seed, offset, None)
+
+
+# the kernel some torch builds put first on sm90 and later with a recent cuDNN (not picked by
+# ``gpu_kernel``: force it with attention_kernel="cudnn"); its log-sum-exp is (B, H, S, 1)
+CUDNN = AttentionOp(
+    name="CUDA cuDNN",
+    forward=aten._scaled_dot_product_cudnn_attention.default,
+    backward=aten._scaled_dot_product_cudnn_attention_backward.default,
+    mask="attn_bias",
+    gqa=False,
+    draws=True,
+    run=_cudnn_run,
+    run_backward=_cudnn_run_backward,
+    outputs=_cudnn_outputs,
+)
+
 # forward or backward op -> its kernel's record
 ATTENTION: dict[object, AttentionOp] = {
-    op: k for k in (CPU_FLASH, CUDA_FLASH, EFFICIENT) for op in (k.forward, k.backward)
+    op: k for k in (CPU_FLASH, CUDA_FLASH, EFFICIENT, CUDNN) for op in (k.forward, k.backward)
 }
 FORWARDS = frozenset(k.forward for k in ATTENTION.values())
 BY_NAME = {k.name: k for k in ATTENTION.values()}  # how a per-rank custom op names its kernel
 # the names ``attention_kernel=`` accepts: the GPU kernels SDPA may pick
-GPU_KERNELS = {"flash": CUDA_FLASH, "efficient": EFFICIENT}
+GPU_KERNELS = {"flash": CUDA_FLASH, "efficient": EFFICIENT, "cudnn": CUDNN}
 
 
 def attention_op(target) -> AttentionOp | None:
@@ -281,7 +333,7 @@ def gpu_kernel(
     mask) for head dims in multiples of 4 (fp32) or 8, K/V heads as many as the query's (not
     ``grouped``); else None: SDPA's math fallback, whose ops are planned one by one. Not
     modelled: torch builds that put cuDNN's kernel first on sm90 and later with a recent cuDNN
-    (cuDNN has no record yet). ``forced``: one of ``GPU_KERNELS``, as
+    (force "cudnn" to plan it). ``forced``: one of ``GPU_KERNELS``, as
     ``torch.nn.attention.sdpa_kernel`` would force it (an error where it cannot run)."""
     if forced is not None:
         if forced not in GPU_KERNELS:
@@ -339,4 +391,6 @@ def _sdpa_as(forced, query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     if attn_mask is not None and attn_mask.dtype == torch.bool:  # SDPA's conversion to an additive bias
         attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill(~attn_mask, float("-inf"))
     logsumexp = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    if op is CUDNN:
+        return op.forward(query, key, value, attn_mask, logsumexp, dropout_p, is_causal, False, scale=scale)[0]
     return op.forward(query, key, value, attn_mask, logsumexp, dropout_p, is_causal, scale=scale)[0]

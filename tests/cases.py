@@ -1860,7 +1860,7 @@ def defaults_exactness(family: str, lengths: list[int], dp: int = 1) -> dict:
     }
 
 
-_GPU_KERNELS = ("aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention")
+_GPU_KERNELS = tuple(f"aten::_scaled_dot_product_{k}_attention" for k in ("flash", "efficient", "cudnn"))
 
 
 def _gpu_kernel_queries(prof) -> list[tuple]:

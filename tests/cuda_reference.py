@@ -102,7 +102,56 @@ def _efficient_backward(
     return _heads_layout(dq), _heads_layout(dk), _heads_layout(dv), None
 
 
+def _cudnn(
+    query,
+    key,
+    value,
+    attn_bias,
+    compute_log_sumexp,
+    dropout_p=0.0,
+    is_causal=False,
+    return_debug_mask=False,
+    *,
+    scale=None,
+):
+    assert dropout_p == 0.0, "the CPU reference of cuDNN's kernel runs without dropout"
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, is_causal, attn_mask=attn_bias, scale=scale
+    )
+    zero = torch.zeros((), dtype=torch.int64)
+    out = _like(query, out) if value.shape[-1] == query.shape[-1] else out.contiguous()
+    return out, lse.unsqueeze(-1).contiguous(), None, None, query.shape[2], key.shape[2], zero, zero.clone(), None
+
+
+def _cudnn_backward(
+    grad_out,
+    query,
+    key,
+    value,
+    out,
+    logsumexp,
+    philox_seed,
+    philox_offset,
+    attn_bias,
+    cum_seq_q,
+    cum_seq_k,
+    max_q,
+    max_k,
+    dropout_p,
+    is_causal,
+    *,
+    scale=None,
+):
+    assert dropout_p == 0.0, "the CPU reference of cuDNN's kernel runs without dropout"
+    dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, query, key, value, out, logsumexp.squeeze(-1), 0.0, is_causal, attn_mask=attn_bias, scale=scale
+    )
+    return _like(query, dq), _like(key, dk), _like(value, dv)
+
+
 _LIB.impl("_scaled_dot_product_flash_attention", _flash, "CPU")
+_LIB.impl("_scaled_dot_product_cudnn_attention", _cudnn, "CPU")
+_LIB.impl("_scaled_dot_product_cudnn_attention_backward", _cudnn_backward, "CPU")
 _LIB.impl("_scaled_dot_product_efficient_attention", _efficient, "CPU")
 _LIB.impl("_scaled_dot_product_efficient_attention_backward", _efficient_backward, "CPU")
 _LIB.impl("_scaled_dot_product_flash_attention_backward", _flash_backward, "CPU")

@@ -16,12 +16,13 @@ from _checks import tier
 from test_plan import _ulysses_expected
 
 import autosp
-from autosp._attention_ops import CUDA_FLASH, EFFICIENT, gpu_attention, gpu_kernel
+from autosp._attention_ops import CUDA_FLASH, CUDNN, EFFICIENT, gpu_attention, gpu_kernel
 from examples.models import Llama, LlamaConfig
 
 L, LAYERS = 96, 2
 FLASH_NOTE = "attention kernel: CUDA flash"
 EFFICIENT_NOTE = "attention kernel: CUDA memory-efficient"
+NOTES = {"flash": FLASH_NOTE, "efficient": EFFICIENT_NOTE, "cudnn": "attention kernel: CUDA cuDNN"}
 
 
 def _llama_plan(world, heads, kv, dim, attn="sdpa", device="h100", dynamic=False, attention="auto"):
@@ -92,8 +93,9 @@ def test_gpu_kernel_is_the_one_sdpa_picks_for_the_dtype(fake_world):
     assert gpu_kernel(torch.bfloat16, False, 64, grouped=True) is CUDA_FLASH
     with pytest.raises(NotImplementedError, match="grouped K/V heads"):
         gpu_kernel(torch.float32, False, 64, forced="efficient", grouped=True)
-    with pytest.raises(ValueError, match="attention_kernel='cudnn'"):
-        gpu_kernel(torch.bfloat16, False, 64, forced="cudnn")
+    assert gpu_kernel(torch.bfloat16, False, 64, forced="cudnn") is CUDNN
+    with pytest.raises(ValueError, match="attention_kernel='fa3'"):
+        gpu_kernel(torch.bfloat16, False, 64, forced="fa3")
     fake_world(2)
     with pytest.raises(ValueError, match="no device 'v100'"):
         _llama_plan(2, 4, 2, 64, device="v100")
@@ -178,7 +180,7 @@ def test_hf_models_plan_cuda_kernels_as_the_cpu_kernel(fake_world, arch, world):
 
 # (model, batch, length, ranks, attention, ulysses, kernel): Ulysses; grouped K/V inside the
 # kernel; a ring where 2 heads do not split over 4 ranks, and K/V gathered; hybrid on a 2D mesh;
-# the memory-efficient kernel (fp32's) as Ulysses and as a ring
+# the memory-efficient kernel (fp32's) and cuDNN's (forced) as Ulysses and as a ring
 EXACT = [
     ("llama", 2, 96, 2, "auto", None, "flash"),
     ("llama_gqa", 2, 96, 2, "auto", None, "flash"),
@@ -187,10 +189,14 @@ EXACT = [
     ("llama", 2, 96, 4, "hybrid", 2, "flash"),
     ("llama", 2, 96, 2, "auto", None, None),
     ("llama_2h", 1, 93, 4, "auto", None, None),
+    ("llama", 2, 96, 2, "auto", None, "cudnn"),
+    ("llama_2h", 1, 96, 4, "auto", None, "cudnn"),
 ]
 
 
-@pytest.mark.parametrize("kind,b,length,world,attention,ulysses,kernel", tier(EXACT, [EXACT[0], EXACT[2], EXACT[6]]))
+@pytest.mark.parametrize(
+    "kind,b,length,world,attention,ulysses,kernel", tier(EXACT, [EXACT[0], EXACT[2], EXACT[6], EXACT[8]])
+)
 def test_cuda_kernel_steps_match_single_device(pools, kind, b, length, world, attention, ulysses, kernel):
     """A step captured with a CUDA attention kernel, run on gloo ranks through the kernel's CPU
     reference: loss and gradients as one device running the same kernel (fp32, 1e-5), the work
@@ -203,9 +209,10 @@ def test_cuda_kernel_steps_match_single_device(pools, kind, b, length, world, at
         worst = max(r["grad_err"].items(), key=lambda kv: kv[1])
         assert worst[1] <= 1e-5, worst
         assert r["flops"][0] <= 1.25 / world * r["flops"][1], r["flops"]
-        assert any(n.startswith(FLASH_NOTE if kernel else EFFICIENT_NOTE) for n in r["notes"]), r["notes"]
+        name = {"flash": "flash", None: "efficient", "cudnn": "cudnn"}[kernel]
+        assert any(n.startswith(NOTES[name]) for n in r["notes"]), r["notes"]
         heads = {"llama_2h": 2}.get(kind, 4)
-        event = "aten::_scaled_dot_product_" + ("flash" if kernel else "efficient") + "_attention"
+        event = f"aten::_scaled_dot_product_{name}_attention"
         assert r["queries"] and {name for name, _ in r["queries"]} == {event}, r["queries"]
         assert all(q[1] * q[2] <= heads * length / world + heads for _, q in r["queries"]), r["queries"]
         # Ulysses where the heads split, else a ring; what is forced

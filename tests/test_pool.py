@@ -17,6 +17,9 @@ def pool():
 
 
 def test_a_rank_that_never_answers_fails_its_test_within_the_timeout_with_its_stack(pool):
+    # started and imported first: under load (a suite beside it) a worker's imports alone took
+    # longer than the 5 s timeout, and the message named both ranks
+    assert pool.run(cases.hang_on_rank, -1) == ["answered"] * 2
     t0 = time.monotonic()
     with pytest.raises(TimeoutError) as err:
         pool.run(cases.hang_on_rank, 1, timeout=5.0)
@@ -30,6 +33,7 @@ def test_a_rank_that_never_answers_fails_its_test_within_the_timeout_with_its_st
 
 
 def test_a_rank_that_exits_mid_collective_fails_its_test_at_once(pool):
+    assert pool.run(cases.hang_on_rank, -1) == ["answered"] * 2  # started and imported first
     t0 = time.monotonic()
     with pytest.raises(TimeoutError) as err:
         pool.run(cases.exit_in_collective, 1, timeout=120.0)

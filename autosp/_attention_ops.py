@@ -148,6 +148,12 @@ CUDA_FLASH = AttentionOp(
 )
 
 
+def _philox(q):
+    """The (seed, offset) the memory-efficient and cuDNN kernels return; without dropout nothing
+    reads them."""
+    return q.new_zeros((), dtype=torch.int64), q.new_zeros((), dtype=torch.int64)
+
+
 def _padded(lse, rows: int):
     """A log-sum-exp's rows padded to a multiple of 32, as the memory-efficient kernel lays it out."""
     return torch.nn.functional.pad(lse, (0, -rows % 32))
@@ -171,7 +177,7 @@ def _efficient_run(q, k, v, is_causal, mask, scale):
 
 
 def _efficient_run_backward(grad_out, q, k, v, out, lse, is_causal, mask, scale):
-    seed, offset = (q.new_zeros((), dtype=torch.int64) for _ in range(2))
+    seed, offset = _philox(q)
     return call_grouped(
         aten._scaled_dot_product_efficient_attention_backward.default,
         grad_out,
@@ -191,7 +197,7 @@ def _efficient_run_backward(grad_out, q, k, v, out, lse, is_causal, mask, scale)
 
 
 def _efficient_outputs(out, lse, q, k):
-    return (out, _padded(lse, q.shape[2]), *(q.new_zeros((), dtype=torch.int64) for _ in range(2)))
+    return (out, _padded(lse, q.shape[2]), *_philox(q))
 
 
 # the kernel SDPA runs on a GPU for fp32, and for any dtype with a mask (a bool mask becomes an
@@ -218,7 +224,7 @@ def _cudnn_run(q, k, v, is_causal, mask, scale):
 
 
 def _cudnn_run_backward(grad_out, q, k, v, out, lse, is_causal, mask, scale):
-    seed, offset = (q.new_zeros((), dtype=torch.int64) for _ in range(2))
+    seed, offset = _philox(q)
     backward = aten._scaled_dot_product_cudnn_attention_backward.default
     return call_grouped(
         backward,
@@ -242,7 +248,7 @@ def _cudnn_run_backward(grad_out, q, k, v, out, lse, is_causal, mask, scale):
 
 
 def _cudnn_outputs(out, lse, q, k):
-    seed, offset = (q.new_zeros((), dtype=torch.int64) for _ in range(2))
+    seed, offset = _philox(q)
     return (out, lse.unsqueeze(-1), None, None, q.shape[2], k.shape[2], seed, offset, None)
 
 

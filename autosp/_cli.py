@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
+from . import _devices
 from ._attention_ops import GPU_KERNELS
 from ._context import ATTENTION_CHOICES
 from ._devices import DEVICES, device
-from ._devices import device as accelerator
 
 __all__ = ["main", "PRESETS", "PlanFit", "trace_plan", "max_sequence"]
 
@@ -185,7 +185,7 @@ def trace_plan(
     )
     # attention as the GPU's kernel where autosp has its records (NVIDIA's); the device's figures
     # weigh the checkpointing costs on any device
-    gpu = device if device is not None and accelerator(device).vendor == "nvidia" else None
+    gpu = device if device is not None and _devices.device(device).vendor == "nvidia" else None
     with autosp.mesh(sp=sp, ulysses=ulysses):
         return autosp.explain(step, ids, ids, device=gpu, attention_kernel=attention_kernel)
 

@@ -1703,7 +1703,8 @@ def many_lengths(
     and an architecture of ``hf_models``; or a model of ``MODELS``) called with each of
     ``lengths`` under Dynamo's recompile limit ``limit``:
     (loss, one device's loss, worst gradient error) per call, the compiled steps autosp keeps,
-    the graphs Dynamo compiled (its count), autosp's log lines about new shapes, and each call's
+    the graphs Dynamo compiled in the sharded step's calls (its count; a reference's own compiles,
+    torch's eager FlexAttention's, are not the step's), autosp's log lines about new shapes, and each call's
     checkpointing rung. ``min_tile_rows``: tile along the sequence from that many rows a tile
     (``tiled``; checkpoint="full" then takes the last tiled rung). ``checkpoint``: the policy
     (by default "auto", or "full" with ``min_tile_rows``). ``compiler``: the backend compiler
@@ -1716,7 +1717,7 @@ def many_lengths(
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())
     logging.getLogger("autosp").addHandler(handler)
-    steps, rungs, flops, before, errs = [], [], [], _compiles(), {}
+    steps, rungs, flops, graphs, errs = [], [], [], [], {}
     if checkpoint is None:
         checkpoint = "auto" if min_tile_rows is None else "full"
     notes: list[tuple[str, ...]] = []
@@ -1729,8 +1730,10 @@ def many_lengths(
                 ids = torch.randint(0, vocab, (1, L), generator=torch.Generator().manual_seed(L))
                 for p in [*model.parameters(), *ref.parameters()]:
                     p.grad = None
+                compiled = _compiles()
                 loss = step(ids)
                 loss.backward()
+                graphs.append(_compiles() - compiled)  # the sharded step's (not the reference's own)
                 rungs.append(step.plan.checkpoint.chosen)
                 notes.append(step.plan.notes)
                 timings.append(dict(step.plan.timings))
@@ -1748,7 +1751,7 @@ def many_lengths(
     return {
         "steps": steps,
         "compiled": len(step._compiled),
-        "graphs": _compiles() - before,
+        "graphs": sum(graphs),
         "log": [m for m in lines if "new input shapes" in m or "compiling the step again" in m],
         "rungs": rungs,
         "notes": notes,
@@ -1913,5 +1916,55 @@ def gpu_kernel_exactness(
         flops=flops,
         queries=_gpu_kernel_queries(prof),
         kinds=sorted({c.kind for c in step.plan.collectives}),
+        notes=list(step.plan.notes),
+    )
+
+
+def flex_exactness(
+    mask: str,
+    lengths: list[int],
+    score: str = "none",
+    attention: str = "auto",
+    compiler: str = "aot_eager",
+    dynamic: bool | None = None,
+    heads: int = 4,
+    kv_heads: int = 2,
+) -> dict:
+    """A Llama with FlexAttention (``flex_models``) and the block mask ``mask`` built outside the
+    step, a step at each of ``lengths``: loss and gradients against one device, this rank's
+    matmul FLOPs against one device's and the most rows of any (..., rows, L) tensor read on this
+    rank (an L x L mask has L) at the last length, the plan's collectives (kind, from, to, rank of
+    the shape), notes and compiles."""
+    from flex_models import FlexLlama, block_mask, documents
+
+    torch.manual_seed(0)
+    model = FlexLlama(LlamaConfig(heads=heads, kv_heads=kv_heads), score=score)
+    ref = copy.deepcopy(model)
+    steps, before = [], _compiles()
+    with autosp.mesh():
+        step = autosp.shard(
+            lambda input_ids, labels, block_mask: model(input_ids, labels, block_mask),
+            compiler=compiler,
+            attention=attention,
+            **({} if dynamic is None else {"dynamic": dynamic}),
+        )
+        for L in lengths:
+            ids, labels = batch("llama", 1, L, seed=L)
+            bm = block_mask(mask, L, documents(L))
+            loss = step(ids, labels, bm)
+            loss.backward()
+            loss_ref = ref(ids, labels, bm)
+            loss_ref.backward()
+            err = max(_rel(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+            steps.append((loss.item(), loss_ref.item(), err))
+            model.zero_grad(), ref.zero_grad()
+        rows = _square_rows(lambda: step(ids, labels, bm), L)
+        flops = (_matmul_flops(lambda: step(ids, labels, bm)), _matmul_flops(lambda: ref(ids, labels, bm)))
+    return dict(
+        steps=steps,
+        flops=flops,
+        rows=rows,
+        graphs=_compiles() - before,
+        kinds=sorted({(c.kind, c.src, c.dst, len(c.shape)) for c in step.plan.collectives}),
         notes=list(step.plan.notes),
     )

@@ -197,6 +197,23 @@ def build_torchtitan_llama3(attn: str = "sdpa", seed: int = 0):
     return _titan_finish(config, attn, seed)
 
 
+def build_torchtitan_llama3_flex(seed: int = 0):
+    """torchtitan's Llama3 with its default attention, FlexAttention with the causal packed-document
+    BlockMask it builds from positions (inside the loss here). Its FlexAttention calls a
+    ``torch.compile``d flex_attention: inside autosp's compile Dynamo inlines it; the single-device
+    reference runs it uncompiled, as torch 2.13 cannot compile its backward for a CPU (``flex_models``
+    lifts the public function's CPU check the same way), and builds its mask uncompiled too."""
+    import flex_models  # noqa: F401  FlexAttention's backward on CPU
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    _import_torchtitan()
+    from torchtitan.models.common import attention
+
+    attention.FlexAttention._compiled_flex_attn = flex_attention
+    attention._compiled_create_block_mask = create_block_mask  # nor its mask (no compiles but autosp's)
+    return build_torchtitan_llama3("flex", seed)
+
+
 def build_torchtitan_qwen3(attn: str = "sdpa", seed: int = 0):
     """torchtitan Qwen3Model (qk-norm, CosSinRoPE, tied embeddings)."""
     _import_torchtitan()
@@ -631,6 +648,7 @@ def build_x_transformers_shift_tokens(**kw):
 # Registry of everything above: name -> zero-arg builder.
 BUILDERS = {
     "torchtitan_llama3": build_torchtitan_llama3,
+    "torchtitan_llama3_flex": build_torchtitan_llama3_flex,
     "torchtitan_qwen3": build_torchtitan_qwen3,
     "torchtitan_qwen3_moe": build_torchtitan_qwen3_moe,
     "torchtitan_deepseek_v3": build_torchtitan_deepseek_v3,

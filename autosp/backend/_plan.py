@@ -18,6 +18,7 @@ from ..partition._checkpoint import Checkpoint
 from ..partition._fsdp import fsdp_notes
 from ..partition._memory import MemoryEstimate
 from ..propagate._attention import attention_notes
+from ..propagate._flex import FLEX
 from ..propagate._placement import R, redistribute_kind, transfer_bytes
 from ..propagate._solver import Choice
 
@@ -222,7 +223,12 @@ def build_plan(joint: fx.GraphModule, choice: Choice, n: int, notes: tuple[str, 
             )
             at.append(nd if nd is not out_node else None)
     colls, ulysses = _against_ulysses(joint, backward, list(zip(colls, at)), n)
-    notes = (*notes, *attention_notes(joint, plan, n), *fsdp_notes(joint), *_gather_notes(colls))
+    notes = (
+        *notes,
+        *attention_notes(joint, plan, n),
+        *fsdp_notes(joint),
+        *_gather_notes(colls, _gathering(joint, plan)),
+    )
     built = Plan(n, placements, tuple(colls), choice.mem_bytes, notes, ulysses_bytes=ulysses)
     return dataclasses.replace(built, notes=notes + _ulysses_note(built))
 
@@ -312,7 +318,7 @@ def _attentions(joint: fx.GraphModule, backward: set[fx.Node], n: int) -> list[_
     for nd in joint.graph.nodes:
         if nd.op != "call_function" or nd in backward:
             continue
-        if is_attention(nd.target) and not is_attention_backward(nd.target):
+        if (is_attention(nd.target) and not is_attention_backward(nd.target)) or nd.target is FLEX:
             operands, out = nd.args[:3], nd
         elif nd.target in _SOFTMAX:
             scores, mixed = _scores_bmm(nd), _mixing_bmm(nd, backward)
@@ -441,11 +447,19 @@ def _ulysses_note(plan: Plan) -> tuple[str, ...]:
     return (head + "; beyond it: " + "; ".join(rows),)
 
 
-def _gather_notes(colls: list[Collective]) -> list[str]:
-    """Why each sharded value is all-gathered: the op that reads it whole, or the step returning it."""
+def _gathering(joint: fx.GraphModule, plan) -> set[str]:
+    """The attention ops the plan runs against all-gathered K/V (their notes say why)."""
+    return {nd.name for nd in joint.graph.nodes if nd in plan and plan[nd].kernel == Kernel.KV_GATHER}
 
-    def why(c: Collective) -> str:
+
+def _gather_notes(colls: list[Collective], gathering: set[str] = frozenset()) -> list[str]:
+    """Why each sharded value is all-gathered: the op that reads it whole, or the step returning it
+    (K/V that attention ops in ``gathering`` read whole are said in their notes)."""
+
+    def why(c: Collective) -> str | None:
         what = f"{c.producer} ({'x'.join(map(str, c.shape))} {c.dtype}, {c.src}) is all-gathered"
+        if c.consumer in gathering:
+            return None
         if c.consumer == "output":
             return (
                 f"{what}: the step returns it (made by {c.op} at {c.source}), whole on every rank as "
@@ -467,4 +481,4 @@ def _gather_notes(colls: list[Collective]) -> list[str]:
             "gather explicit, is the fix"
         )
 
-    return [why(c) for c in colls if c.kind == "all_gather"]
+    return [w for w in (why(c) for c in colls if c.kind == "all_gather") if w is not None]

@@ -8,9 +8,11 @@ keyed by op (dropout draws its own shard's mask; FSDP2's gradient reduce counts 
 gradient once; a sharded factory makes its local shape), and ``KERNELS``, keyed by the
 strategy's kernel (attention on this rank's query rows; a shift along the sequence as a halo
 exchange, ``_shift``; a log-sum-exp merged over the ranks, ``_merge``; a scatter into this
-rank's own rows, ``_scatter``). ``localize`` composes, in one trace, the interpreter, the tiling
-of its ops along the sequence when one is given (``_tiling``), and the outputs placed as one
-device returns them (``_outputs``: gradients summed over sp, averaged over dp).
+rank's own rows, ``_scatter``). FlexAttention runs its own call under every strategy
+(``_flex.FLEX_CALLS``: its functions and block mask rewritten for this rank's piece).
+``localize`` composes, in one trace, the interpreter, the tiling of its ops along the sequence
+when one is given (``_tiling``), and the outputs placed as one device returns them
+(``_outputs``: gradients summed over sp, averaged over dp).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from ..propagate._solver import Choice
 from ..propagate._strategy import Strategy
 from ._attention import SEQUENCE_KERNELS
 from ._collectives import redistribute
+from ._flex import FLEX_CALLS
 from ._fsdp import REDUCE, fsdp_reduce_call
 from ._merge import MERGE_KERNELS
 from ._outputs import output_specs, place_outputs
@@ -178,7 +181,7 @@ class Localizer(fx.Interpreter):
                 shape[tile[0]] = tile[1]
             args = (args[0], [retraced(x) for x in shape], *args[2:])
         target = nd.target
-        override = KERNELS.get(s.kernel) or OVERRIDES.get(target)
+        override = FLEX_CALLS.get(target) or KERNELS.get(s.kernel) or OVERRIDES.get(target)
         if override is not None:
             target, args, kwargs = override(nd, s, target, args, kwargs, self.ctx)
         if target in _VIEWS:

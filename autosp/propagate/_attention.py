@@ -24,6 +24,7 @@ from .._attention_ops import ATTENTION, CPU_FLASH, FORWARDS, attention_op, input
 from .._context import Kernel
 from .._graph import hint, op_args, out_vals
 from ..errors import PlanError, source_line
+from ._flex import FLEX, flex_note
 from ._placement import P, R, can_shard, chunks, offsets, shard, shard_specs
 from ._strategy import Sets, Strategy, provenance, rule
 
@@ -464,4 +465,5 @@ def attention_notes(gm: fx.GraphModule, plan: dict[fx.Node, Strategy], n: int) -
     if n == 1:
         return notes
     notes += [_note(nd, plan[nd], n) for nd in forwards]
+    notes += [flex_note(nd, plan[nd], n) for nd in gm.graph.find_nodes(op="call_function", target=FLEX)]
     return [x for x in notes if x is not None]

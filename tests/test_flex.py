@@ -1,0 +1,146 @@
+"""FlexAttention (``torch.nn.attention.flex_attention``, torchtitan's attention) with block masks
+built outside the step: causal, a causal sliding window and packed documents, with no score
+function, a soft-cap or ALiBi (a captured per-head tensor). Planned on a fake process group
+(Ulysses by default, K/V gather where the heads do not split or when forced, the op whole where
+its score function reads a learned tensor), the per-rank block mask against torch's own for the
+rank's rows, and exact on gloo against one device (fp32, 1e-5), with each rank's matmul FLOPs at
+most 1.25/N of one device's and no (L, L) tensor on a rank under K/V gather.
+
+torch 2.13 cannot lower FlexAttention's backward for a CPU under Inductor (a single device's
+``torch.compile`` fails too), so these run ``aot_eager``, on symbolic lengths."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import cases
+import pytest
+import torch
+from flex_models import BLOCK, FlexLlama, block_mask, documents
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask
+
+import autosp
+from autosp.errors import PlanError
+from autosp.partition._flex import rows_block_mask
+from autosp.propagate._flex import BLOCK_MASK
+from examples.models import LlamaConfig
+
+L = 64
+
+
+def _plan(world, heads=4, kv_heads=2, score="alibi", attention="auto", learned=False):
+    torch.manual_seed(0)
+    model = FlexLlama(LlamaConfig(heads=heads, kv_heads=kv_heads), score=score)
+    if learned:  # a learned per-head bias read by the score function
+        model.slopes = torch.nn.Parameter(model.slopes.clone())
+    ids = torch.randint(0, 256, (1, L))
+    with autosp.mesh(sp=world):
+        step = autosp.shard(lambda i, labels, m: model(i, labels, m), compiler="aot_eager", attention=attention)
+        return autosp.explain(step, ids, ids, block_mask("documents", L, documents(L)))
+
+
+def _flex_notes(plan):
+    return [x for x in plan.notes if x.startswith("FlexAttention")]
+
+
+def test_flex_attention_plans_as_ulysses_where_heads_split(fake_world):
+    fake_world(2)
+    plan = _plan(2)
+    kinds = {c.kind for c in plan.collectives}
+    assert kinds == {"all_to_all", "all_reduce"}, str(plan)
+    assert not _flex_notes(plan), plan.notes
+
+
+def test_flex_attention_gathers_kv_where_heads_do_not_split(fake_world):
+    """2 query / 1 K/V heads over 4 ranks: the query rows stay sharded, K/V are all-gathered (and
+    nothing else is whole: the gathers are K/V's, the reduce-scatters their gradients')."""
+    fake_world(4)
+    plan = _plan(4, heads=2, kv_heads=1)
+    gathered = [c for c in plan.collectives if c.kind == "all_gather"]
+    assert gathered and all(math.prod(c.shape) == L * 32 for c in gathered), str(plan)
+    notes = _flex_notes(plan)
+    assert len(notes) == 2 and all("K/V are all-gathered" in x for x in notes), notes
+    assert "all_to_all" not in {c.kind for c in plan.collectives}, str(plan)
+
+
+def test_flex_attention_with_a_learned_score_tensor_is_refused_with_the_fix(fake_world):
+    fake_world(2)
+    with pytest.raises(PlanError, match="learned bias") as e:
+        _plan(2, learned=True)
+    assert "flex_models.py" in str(e.value) and "buffer" in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["causal", "window", "documents"])
+@pytest.mark.parametrize("start,rows", [(0, 48), (48, 48), (96, 64), (40, 50), (7, 30)])
+def test_a_ranks_block_mask_is_torchs_block_mask_of_its_rows(kind, start, rows):
+    """Where the rank's first row starts a block, its block tensors are bit for bit
+    ``create_block_mask`` of its rows (the mask function offset by ``start``); elsewhere every
+    block is partial and the mask function alone decides, entry for entry the same mask."""
+    S = 160
+    whole = block_mask(kind, S, documents(S))
+    mask_mod = whole.mask_mod
+
+    def shifted(b, h, q, kv):
+        return mask_mod(b, h, q + start, kv)
+
+    fields = dict(zip(BLOCK_MASK, whole.as_tuple()))
+    got = dict(zip(BLOCK_MASK, rows_block_mask(fields, start, rows, shifted)))
+    want = create_block_mask(shifted, None, None, rows, S, device="cpu", BLOCK_SIZE=BLOCK)
+    assert (got["q_len"], got["kv_len"]) == (rows, S)
+    if start % BLOCK == 0:
+        for f, w in zip(BLOCK_MASK, want.as_tuple()):
+            if isinstance(w, torch.Tensor):
+                assert torch.equal(got[f], w), f
+    else:
+        assert got["full_kv_num_blocks"] is None
+        assert (got["kv_num_blocks"] == (S + BLOCK - 1) // BLOCK).all()
+    mine = BlockMask.from_kv_blocks(
+        got["kv_num_blocks"],
+        got["kv_indices"],
+        got["full_kv_num_blocks"],
+        got["full_kv_indices"],
+        BLOCK_SIZE=BLOCK,
+        mask_mod=shifted,
+        seq_lengths=(rows, S),
+    )
+    dense = mine.to_dense().repeat_interleave(BLOCK, -2).repeat_interleave(BLOCK, -1)[..., :rows, :S].bool()
+    exact = create_mask(shifted, None, None, rows, S, device="cpu")
+    assert not (exact & ~dense).any()  # every unmasked entry lies in a listed block
+
+
+def _exact_and_split(results, world, lengths):
+    for r in results:
+        for loss, ref, err in r["steps"]:
+            assert abs(loss - ref) <= 1e-5 * abs(ref) and err <= 1e-5, r["steps"]
+    mine, single = [r["flops"][0] for r in results], results[0]["flops"][1]
+    assert single > 0 and max(mine) <= 1.25 * single / world, (mine, single)
+
+
+def test_packed_documents_through_flex_attention_are_exact_on_2_ranks_with_no_rank_holding_the_mask(pools):
+    """3 packed documents, ALiBi, K/V gathered (forced), at 64 then 37 tokens (a new length, odd
+    shards: a rank's first row starts no block): exact, split, and no (L, L) tensor on a rank."""
+    results = pools(2).run(cases.flex_exactness, "documents", [64, 37], "alibi", "kv_gather", "aot_eager", True)
+    _exact_and_split(results, 2, [64, 37])
+    assert all(0 < r["rows"] <= 19 for r in results), [r["rows"] for r in results]
+    assert ("all_gather", "S(2)", "R", 4) in results[0]["kinds"], results[0]["kinds"]
+
+
+CASES = list(itertools.product(["causal", "window", "documents"], ["none", "softcap", "alibi"], ["auto", "kv_gather"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("mask,score,attention", CASES)
+def test_flex_attention_is_exact_and_split(pools, world, mask, score, attention):
+    lengths = [64, 37]
+    results = pools(world).run(cases.flex_exactness, mask, lengths, score, attention, "aot_eager", True)
+    _exact_and_split(results, world, lengths)
+    # 2 K/V heads split over 2 ranks (Ulysses), not over 4: there K/V are gathered
+    if attention == "kv_gather" or world == 4:
+        # no (..., L, L) tensor: the most rows of an (..., rows, L) one is a rank's share, or K
+        # transposed for the scores (the head dim, 16)
+        assert all(r["rows"] <= max(-(-37 // world), 16) for r in results), [r["rows"] for r in results]
+        assert "all_to_all" not in {k for k, *_ in results[0]["kinds"]}, results[0]["kinds"]
+    else:
+        assert {k for k, *_ in results[0]["kinds"]} == {"all_to_all", "all_reduce"}, results[0]["kinds"]

@@ -23,24 +23,36 @@ WINDOW = 16
 BLOCK = 16  # small sparse blocks: a test length has several, so a rank's rows start one or not
 
 
-def documents(L: int, parts: int = 3) -> torch.Tensor:
-    """Positions of ``parts`` packed documents of uneven lengths in a row of L tokens (restarting
-    at 0 at each document, as torchtitan's data loader makes them)."""
-    cuts = sorted({max(1, L * i // parts + (i % 2) * 3) for i in range(1, parts)})
-    starts = [0, *cuts]
-    pos = torch.empty(L, dtype=torch.long)
-    for a, b in zip(starts, [*cuts, L]):
-        pos[a:b] = torch.arange(b - a)
-    return pos[None]
+def documents(L: int, parts: int = 3, rows: int = 1) -> torch.Tensor:
+    """Positions of ``parts`` packed documents of uneven lengths in each of ``rows`` rows of L
+    tokens (restarting at 0 at each document, as torchtitan's data loader makes them; each row cut
+    elsewhere)."""
+    out = torch.empty(rows, L, dtype=torch.long)
+    for r in range(rows):
+        cuts = sorted({max(1, L * i // parts + (i % 2) * 3 - 5 * r) for i in range(1, parts)})
+        for a, b in zip([0, *cuts], [*cuts, L]):
+            out[r, a:b] = torch.arange(b - a)
+    return out
 
 
-def block_mask(kind: str, L: int, positions: torch.Tensor | None = None):
-    """The block mask ``kind`` ("causal", "window" or "documents") for sequences of L."""
+def block_mask(kind: str, L: int, positions: torch.Tensor | None = None, heads: int = 4):
+    """The block mask ``kind`` for sequences of L: "causal", "window", "documents" (one row of
+    packed documents per sequence of ``positions``, its block mask per sequence where there are
+    several), "heads" (a causal window of 8 (h + 1) tokens for head h: a block mask per head) or
+    "none" (no block mask: flex_attention builds its own, every block full)."""
+    if kind == "none":
+        return None
+    H = heads if kind == "heads" else None
+    B = positions.shape[0] if kind == "documents" and positions.shape[0] > 1 else None
     if kind == "documents":
-        doc = torch.cumsum((positions[0] == 0).int(), 0) - 1
+        doc = torch.cumsum((positions == 0).int(), 1) - 1
 
         def mask(b, h, q, kv):
-            return (q >= kv) & (doc[q] == doc[kv])
+            return (q >= kv) & (doc[b, q] == doc[b, kv])
+    elif kind == "heads":
+
+        def mask(b, h, q, kv):
+            return (q >= kv) & (q - kv < 8 * (h + 1))
     elif kind == "window":
 
         def mask(b, h, q, kv):
@@ -50,7 +62,7 @@ def block_mask(kind: str, L: int, positions: torch.Tensor | None = None):
         def mask(b, h, q, kv):
             return q >= kv
 
-    return create_block_mask(mask, None, None, L, L, device="cpu", BLOCK_SIZE=BLOCK)
+    return create_block_mask(mask, B, H, L, L, device="cpu", BLOCK_SIZE=BLOCK)
 
 
 class FlexAttention(LlamaAttention):

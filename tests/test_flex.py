@@ -11,7 +11,6 @@ torch 2.13 cannot lower FlexAttention's backward for a CPU under Inductor (a sin
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import cases
@@ -126,13 +125,17 @@ def test_packed_documents_through_flex_attention_are_exact_on_2_ranks_with_no_ra
     assert ("all_gather", "S(2)", "R", 4) in results[0]["kinds"], results[0]["kinds"]
 
 
-CASES = list(itertools.product(["causal", "window", "documents"], ["none", "softcap", "alibi"], ["auto", "kv_gather"]))
+# each mask with one score function (every score function twice), "auto" and K/V gather forced
+MASKS = [("causal", "none"), ("window", "softcap"), ("documents", "alibi"), ("heads", "alibi"), ("none", "softcap")]
+CASES = [(m, sc, a) for m, sc in MASKS for a in ("auto", "kv_gather")]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("mask,score,attention", CASES)
 def test_flex_attention_is_exact_and_split(pools, world, mask, score, attention):
+    """Exact, split, and under K/V gather no (L, L) tensor on a rank; "heads" has a block mask
+    per head (split with the heads under Ulysses), "none" no block mask (flex_attention's own)."""
     lengths = [64, 37]
     results = pools(world).run(cases.flex_exactness, mask, lengths, score, attention, "aot_eager", True)
     _exact_and_split(results, world, lengths)
@@ -144,3 +147,30 @@ def test_flex_attention_is_exact_and_split(pools, world, mask, score, attention)
         assert "all_to_all" not in {k for k, *_ in results[0]["kinds"]}, results[0]["kinds"]
     else:
         assert {k for k, *_ in results[0]["kinds"]} == {"all_to_all", "all_reduce"}, results[0]["kinds"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", ["auto", "kv_gather"])
+def test_flex_attention_over_two_sequences_with_their_own_documents_is_exact(pools, attention):
+    """Two sequences a batch, each packed with its own documents: a block mask per sequence."""
+    results = pools(2).run(cases.flex_exactness, "documents", [64, 37], "alibi", attention, "aot_eager", True, 4, 2, 2)
+    _exact_and_split(results, 2, [64, 37])
+
+
+def test_flex_attention_costs_its_flops_in_the_checkpointing_pass():
+    """4·B·H·Sq·Sk·D forward, 2.5 times that backward (dense: its block sparsity is data)."""
+    from torch._higher_order_ops.flex_attention import flex_attention as hop
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autosp.partition._checkpoint import _flops, _kind
+
+    B, H, S, D = 1, 4, 32, 8
+    bm = block_mask("causal", S)
+
+    def fwd(q, k, v):
+        return hop(q, k, v, lambda s, b, h, qi, kv: s, bm.as_tuple(), 0.5, {}, (), ())
+
+    q = torch.randn(B, H, S, D)
+    gm = make_fx(fwd)(q, q, q)
+    (nd,) = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is hop]
+    assert _flops(nd) == 4.0 * B * H * S * S * D and _kind(nd) == "attention"

@@ -244,10 +244,13 @@ def test_hf_models_through_cuda_kernels_match_single_device(pools, arch, world):
 
 
 @pytest.mark.slow
-def test_cuda_flash_steps_match_single_device_under_inductor_and_symbolic_lengths(pools):
-    """The defaults: Inductor and symbolic lengths, with attention as CUDA's flash kernel (Inductor
-    plans with the meta function's strides, which the CPU reference keeps)."""
-    for r in pools(2).run(cases.gpu_kernel_exactness, "llama", 2, 96, "auto", None, "inductor", True, "flash"):
+@pytest.mark.parametrize("kernel", ["flash", "efficient", "cudnn"])
+def test_cuda_kernel_steps_match_single_device_under_inductor_and_symbolic_lengths(pools, kernel):
+    """The defaults: Inductor and symbolic lengths, with attention as each CUDA kernel (Inductor
+    plans with the meta function's strides, which the CPU references keep)."""
+    for r in pools(2).run(cases.gpu_kernel_exactness, "llama", 2, 96, "auto", None, "inductor", True, kernel):
+        assert r["kinds"] == ["all_reduce", "all_to_all"], r["kinds"]
+        assert {name for name, _ in r["queries"]} == {f"aten::_scaled_dot_product_{kernel}_attention"}, r["queries"]
         loss, loss_ref = r["loss"]
         assert abs(loss - loss_ref) <= 1e-5 * abs(loss_ref)
         assert max(r["grad_err"].values()) <= 1e-5, r["grad_err"]

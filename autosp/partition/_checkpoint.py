@@ -60,6 +60,7 @@ from .._context import check_policy
 from .._devices import device as accelerator
 from .._graph import graph_module, hint, is_attention, is_attention_backward, op_args, out_bytes, out_vals
 from ..errors import PlanError
+from ..propagate._flex import FLEX_BACKWARD, flex_args, is_flex
 from ._fsdp import GATHER as _FSDP_GATHER
 from ._fsdp import fsdp_tags
 from ._memory import MemoryEstimate, _nbytes, at_length, estimate_memory, sequence_peak
@@ -308,8 +309,14 @@ def _repeated_blocks(nodes) -> set[str]:
 
 def _attention_flops(nd: fx.Node, read: Callable = hint) -> float:
     """torch's flop counter has no formula for the CPU attention kernels: 4·B·H·Sq·Sk·D forward
-    (half of it causal), 2.5 times that backward (recomputed scores, four matmuls). ``read``:
-    how sizes are read (at their hints; ``at_length`` for another length)."""
+    (half of it causal; FlexAttention's whole, its block sparsity being data), 2.5 times that
+    backward (recomputed scores, four matmuls). ``read``: how sizes are read (at their hints;
+    ``at_length`` for another length)."""
+    if is_flex(nd.target):  # its block mask's sparsity is data: counted dense
+        args = flex_args(nd.target, nd.args)
+        q, k = args["query"].meta["val"], args["key"].meta["val"]
+        flops = 4.0 * read(q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * q.shape[3])
+        return flops * (2.5 if nd.target is FLEX_BACKWARD else 1.0)
     args = op_args(nd)
     q, k = args["query"].meta["val"], args["key"].meta["val"]
     # ring and hybrid attention (``autosp::ring_attention``): this rank's rows against all S keys
@@ -331,7 +338,7 @@ def _flops(nd: fx.Node, read: Callable = hint) -> float:
         i, j = _MATMULS[nd.target]
         a, b = nd.args[i].meta["val"], nd.args[j].meta["val"]
         return 2.0 * read(a.numel() * b.shape[-1])
-    if is_attention(nd.target):
+    if is_attention(nd.target) or is_flex(nd.target):
         return _attention_flops(nd, read)
     return 0.0
 
@@ -350,6 +357,8 @@ def _kind(nd: fx.Node) -> str:
     target = nd.target
     if target is operator.getitem:
         return "getitem"
+    if is_flex(target):
+        return "attention"
     if isinstance(target, torch._ops.OpOverload):
         if target.namespace == "_c10d_functional":
             return "collective"

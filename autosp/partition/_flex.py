@@ -55,7 +55,8 @@ def rows_block_mask(block: dict, start, rows, mask_mod) -> tuple:
     if bool(start % QB == 0):
         end = first + (rows + QB - 1) // QB
         fields = [block[f] for f in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")]
-        num, idx, full_num, full_idx = (None if t is None else t[:, :, first:end] for t in fields)
+        # contiguous, as torch's own are (small: a row block holds one entry per key block)
+        num, idx, full_num, full_idx = (None if t is None else t[:, :, first:end].contiguous() for t in fields)
     else:  # one partial block everywhere: the mask function decides every entry
         q_blocks, kv_blocks = (rows + QB - 1) // QB, (kv_len + KB - 1) // KB
         lead = tuple(kv_num.shape[:2])

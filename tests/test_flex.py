@@ -51,6 +51,17 @@ def test_flex_attention_plans_as_ulysses_where_heads_split(fake_world):
     assert not _flex_notes(plan), plan.notes
 
 
+def test_flex_attention_replicates_kv_heads_where_only_they_do_not_split(fake_world):
+    """4 query / 2 K/V heads over 4 ranks: the K/V heads are replicated 2x before the op (as for
+    SDPA), and the plan is Ulysses', byte for byte."""
+    fake_world(4)
+    plan = _plan(4)
+    assert {c.kind for c in plan.collectives} == {"all_to_all", "all_reduce"}, str(plan)
+    notes = [x for x in plan.notes if "K/V heads are replicated 2x" in x and "gathering K/V" in x]
+    assert len(notes) == 2, plan.notes
+    assert any("1.00x a hand-written Ulysses plan" in x for x in plan.notes), plan.notes
+
+
 def test_flex_attention_gathers_kv_where_heads_do_not_split(fake_world):
     """2 query / 1 K/V heads over 4 ranks: the query rows stay sharded, K/V are all-gathered (and
     nothing else is whole: the gathers are K/V's, the reduce-scatters their gradients')."""
@@ -139,8 +150,8 @@ def test_flex_attention_is_exact_and_split(pools, world, mask, score, attention)
     lengths = [64, 37]
     results = pools(world).run(cases.flex_exactness, mask, lengths, score, attention, "aot_eager", True)
     _exact_and_split(results, world, lengths)
-    # 2 K/V heads split over 2 ranks (Ulysses), not over 4: there K/V are gathered
-    if attention == "kv_gather" or world == 4:
+    # 2 K/V heads split over 2 ranks; over 4 they are replicated 2x, and Ulysses splits the heads
+    if attention == "kv_gather":
         # no (..., L, L) tensor: the most rows of an (..., rows, L) one is a rank's share, or K
         # transposed for the scores (the head dim, 16)
         assert all(r["rows"] <= max(-(-37 // world), 16) for r in results), [r["rows"] for r in results]

@@ -42,6 +42,7 @@ from .._context import Kernel, SpContext
 from .._graph import hint, nbytes, out_vals
 from ..errors import source_line
 from ..propagate._attention import heads_split, hybrid_bytes, is_causal, ring_bytes, seq_attention_ok
+from ..propagate._flex import FLEX, FLEX_BACKWARD
 from ..propagate._placement import transfer_bytes
 
 __all__ = ["fold_kv_repeats", "replicate_kv_heads"]
@@ -85,6 +86,8 @@ def _repeated(nd) -> tuple[fx.Node, int] | None:
 def _fake(a):
     if not isinstance(a, fx.Node):
         return a
+    if a.op == "get_attr":  # a higher-order op's function (FlexAttention's score and mask)
+        return getattr(a.graph.owning_module, a.target)
     v = a.meta.get("val")
     return v if isinstance(v, torch.SymInt) else out_vals(a)[0]
 
@@ -141,9 +144,18 @@ def _forwards(g: fx.Graph) -> list[fx.Node]:
 
 
 def _backwards(fwd: fx.Node, k: fx.Node, v: fx.Node) -> list[fx.Node]:
-    """The backwards of ``fwd``'s kernel that read its K/V."""
+    """The backwards of ``fwd``'s kernel that read its K/V (FlexAttention's at arguments 1 and 2,
+    the others' after the incoming gradient)."""
+    if fwd.target is FLEX:
+        return [u for u in k.users if u.target is FLEX_BACKWARD and u.args[1] is k and u.args[2] is v]
     bwd = attention_op(fwd.target).backward
     return [u for u in k.users if u.target is bwd and u.args[2] is k and u.args[3] is v]
+
+
+def _with_kv(bwd: fx.Node, k: fx.Node, v: fx.Node) -> tuple:
+    """``bwd``'s arguments reading ``k`` and ``v`` as its K/V."""
+    at = 1 if bwd.target is FLEX_BACKWARD else 2
+    return (*bwd.args[:at], k, v, *bwd.args[at + 2 :])
 
 
 def fold_kv_repeats(gm: fx.GraphModule, n: int) -> list[str]:
@@ -246,13 +258,18 @@ def _a2a(x, n: int) -> float:
 
 def _replicated_is_cheaper(fwd: fx.Node, q, k, v, rep: int, ctx: SpContext) -> bool:
     """Ulysses on the replicated K/V (q, K, V and the output all-to-all'd each way) against ring
-    attention and, on a 2D mesh, hybrid attention on the heads as they are."""
+    attention and, on a 2D mesh, hybrid attention on the heads as they are; for FlexAttention
+    (no ring), against its K/V gathered in the forward and again in the backward, their gradients
+    reduce-scattered."""
     n = ctx.n
     # sizes at their hints: a cost compared on the symbolic graph must not guard on the length
     out = math.prod(hint(tuple(q.shape[:3]))) * hint(v.shape[3]) * q.element_size()
     ulysses = 2 * (_a2a(q, n) + rep * (_a2a(k, n) + _a2a(v, n))) + 2 * transfer_bytes("all_to_all", out, n)
     others = [math.inf]
-    if seq_attention_ok(fwd, q, k):
+    if fwd.target is FLEX:
+        kv = nbytes(k) + nbytes(v)
+        others.append(2 * transfer_bytes("all_gather", kv, n) + transfer_bytes("reduce_scatter", kv, n))
+    elif seq_attention_ok(fwd, q, k):
         others.append(sum(ring_bytes(q, k, v, n, is_causal(fwd))))
         u = ctx.ulysses
         if u > 1 and hint(q.shape[2]) % n == 0 and q.shape[1] % u == 0 and k.shape[1] % u == 0:
@@ -266,7 +283,8 @@ def replicate_kv_heads(gm: fx.GraphModule, ctx: SpContext) -> list[str]:
     n, g, notes = ctx.n, gm.graph, []
     if ctx.options.attention not in ("auto", Kernel.ULYSSES):
         return notes
-    for fwd in _forwards(g):
+    flex = [nd for nd in g.nodes if nd.op == "call_function" and nd.target is FLEX]
+    for fwd in _forwards(g) + flex:
         k, v = fwd.args[1], fwd.args[2]
         q_, k_, v_ = (out_vals(a)[0] for a in fwd.args[:3])
         H, KV = q_.shape[1], k_.shape[1]
@@ -278,7 +296,7 @@ def replicate_kv_heads(gm: fx.GraphModule, ctx: SpContext) -> list[str]:
         kr, vr = _repeat(g, k, rep, fwd), _repeat(g, v, rep, fwd)
         fwd.args = (fwd.args[0], kr, vr, *fwd.args[3:])
         for bwd in _backwards(fwd, k, v):
-            bwd.args = (*bwd.args[:2], kr, vr, *bwd.args[4:])
+            bwd.args = _with_kv(bwd, kr, vr)
             bwd.meta["val"] = vals = _rerun(bwd)
             for out in [u for u in bwd.users if u.target is operator.getitem and u.args[1] in (1, 2)]:
                 out.meta["val"] = vals[out.args[1]]
@@ -286,7 +304,8 @@ def replicate_kv_heads(gm: fx.GraphModule, ctx: SpContext) -> list[str]:
         notes.append(
             f"attention at {source_line(fwd)}: {H} query / {KV} K/V heads: the K/V heads are replicated "
             f"{rep}x before the op so that Ulysses splits the heads (each rank gets the K/V heads its query "
-            "heads read), fewer bytes than ring attention on the heads as they are"
+            "heads read), fewer bytes than "
+            + ("gathering K/V" if fwd.target is FLEX else "ring attention on the heads as they are")
         )
     if notes:
         g.lint()

@@ -1930,17 +1930,20 @@ def flex_exactness(
     heads: int = 4,
     kv_heads: int = 2,
     b: int = 1,
+    device: str = "cpu",
 ) -> dict:
     """A Llama with FlexAttention (``flex_models``) and the block mask ``mask`` built outside the
-    step, ``b`` sequences a step at each of ``lengths``: loss and gradients against one device, this rank's
-    matmul FLOPs against one device's and the most rows of any (..., rows, L) tensor read on this
-    rank (an L x L mask has L) at the last length, the plan's collectives (kind, from, to, rank of
-    the shape), notes and compiles."""
+    step, ``b`` sequences a step at each of ``lengths`` (on ``device``; a GPU's block size is 128):
+    loss and gradients against one device, this rank's matmul FLOPs against one device's and the
+    most rows of any (..., rows, L) tensor read on this rank (an L x L mask has L) at the last
+    length, the plan's collectives (kind, from, to, rank of the shape), notes and compiles."""
+    import flex_models
     from flex_models import FlexLlama, block_mask, documents
 
     torch.manual_seed(0)
-    model = FlexLlama(LlamaConfig(heads=heads, kv_heads=kv_heads), score=score)
+    model = FlexLlama(LlamaConfig(heads=heads, kv_heads=kv_heads), score=score).to(device)
     ref = copy.deepcopy(model)
+    block = 128 if device == "cuda" else flex_models.BLOCK
     steps, graphs = [], 0
     with autosp.mesh():
         step = autosp.shard(
@@ -1950,8 +1953,8 @@ def flex_exactness(
             **({} if dynamic is None else {"dynamic": dynamic}),
         )
         for L in lengths:
-            ids, labels = batch("llama", b, L, seed=L)
-            bm = block_mask(mask, L, documents(L, rows=b), heads)
+            ids, labels = (t.to(device) for t in batch("llama", b, L, seed=L))
+            bm = block_mask(mask, L, documents(L, rows=b), heads, block, device)
             compiled = _compiles()
             loss = step(ids, labels, bm)
             loss.backward()

@@ -35,17 +35,20 @@ def documents(L: int, parts: int = 3, rows: int = 1) -> torch.Tensor:
     return out
 
 
-def block_mask(kind: str, L: int, positions: torch.Tensor | None = None, heads: int = 4):
+def block_mask(
+    kind: str, L: int, positions: torch.Tensor | None = None, heads: int = 4, block: int = BLOCK, device: str = "cpu"
+):
     """The block mask ``kind`` for sequences of L: "causal", "window", "documents" (one row of
     packed documents per sequence of ``positions``, its block mask per sequence where there are
     several), "heads" (a causal window of 8 (h + 1) tokens for head h: a block mask per head) or
-    "none" (no block mask: flex_attention builds its own, every block full)."""
+    "none" (no block mask: flex_attention builds its own, every block full). ``block``: the sparse
+    block size (torch's default, 128, on a GPU)."""
     if kind == "none":
         return None
     H = heads if kind == "heads" else None
     B = positions.shape[0] if kind == "documents" and positions.shape[0] > 1 else None
     if kind == "documents":
-        doc = torch.cumsum((positions == 0).int(), 1) - 1
+        doc = (torch.cumsum((positions == 0).int(), 1) - 1).to(device)
 
         def mask(b, h, q, kv):
             return (q >= kv) & (doc[b, q] == doc[b, kv])
@@ -62,7 +65,7 @@ def block_mask(kind: str, L: int, positions: torch.Tensor | None = None, heads: 
         def mask(b, h, q, kv):
             return q >= kv
 
-    return create_block_mask(mask, B, H, L, L, device="cpu", BLOCK_SIZE=BLOCK)
+    return create_block_mask(mask, B, H, L, L, device=device, BLOCK_SIZE=block)
 
 
 class FlexAttention(LlamaAttention):

@@ -142,10 +142,10 @@ def test_nccl_loss_and_grads_match_single_device_fp32(nccl_pools, world, kind, b
 
 @pytest.mark.parametrize("attention,L", [("auto", 512), ("kv_gather", 512), ("kv_gather", 500)])
 def test_rank_local_flex_attention_lowers_to_triton_and_runs_on_gpu(fake_world, attention, L):
-    """FlexAttention (3 packed documents, ALiBi) as one rank of a 2-rank job on one GPU, under
-    Inductor: the per-rank op (its functions offset for the rank, its block mask the rank's rows:
-    sliced at 512 tokens, where rank 1's rows start a 128-row block, every block partial at 500)
-    lowers to Triton and runs, every tensor on the GPU. The CPU suite cannot lower it."""
+    """FlexAttention (3 packed documents, ALiBi) as rank 0 of a 2-rank job on one GPU, under
+    Inductor: the per-rank op (Ulysses; or its rows, 256 whole blocks at 512 tokens, 250 rows
+    ending mid-block at 500) lowers to Triton and runs, every tensor on the GPU. The CPU suite
+    cannot lower its backward; the values are checked by the test below and over NCCL."""
     from flex_models import FlexLlama, block_mask, documents
 
     fake_world(2)
@@ -172,3 +172,29 @@ def test_nccl_flex_attention_matches_single_device_under_inductor(fp32, nccl_poo
     for r in results:
         for loss, ref, err in r["steps"]:
             assert abs(loss - ref) <= 1e-5 * abs(ref) and err <= 1e-5, r["steps"]
+
+
+@pytest.mark.parametrize("start,rows", [(256, 256), (250, 250), (0, 250)])
+def test_a_ranks_flex_rows_match_the_whole_sequence_under_triton(fp32, start, rows):
+    """A rank's rows of FlexAttention through its own block mask (``rows_block_mask``: sliced
+    where its first row starts a 128-row block, else every block partial) and offset mask
+    function, compiled to Triton, forward and backward: the whole sequence's output at those
+    rows, and the query, key and value gradients of a loss on those rows."""
+    from flex_models import block_mask, documents
+    from test_flex import _rank_mask
+    from torch.nn.attention.flex_attention import flex_attention
+
+    S, H, D = 512, 4, 64
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, H, S, D, device="cuda", requires_grad=True) for _ in range(3))
+    g = torch.randn(1, H, rows, D, device="cuda")
+    whole = block_mask("documents", S, documents(S), block=128, device="cuda")
+    compiled = torch.compile(flex_attention)
+    want = compiled(q, k, v, block_mask=whole)[:, :, start : start + rows]
+    dq, dk, dv = torch.autograd.grad((want * g).sum(), (q, k, v))
+    _, mine, _ = _rank_mask(whole, start, rows, block=128)
+    qr = q.detach()[:, :, start : start + rows].requires_grad_()
+    got = compiled(qr, k, v, block_mask=mine)
+    gq, gk, gv = torch.autograd.grad((got * g).sum(), (qr, k, v))
+    for a, b in ((got, want), (gq, dq[:, :, start : start + rows]), (gk, dk), (gv, dv)):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max(), (start, rows)

@@ -17,7 +17,7 @@ import cases
 import pytest
 import torch
 from flex_models import BLOCK, FlexLlama, block_mask, documents
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
 
 import autosp
 from autosp.errors import PlanError
@@ -81,42 +81,86 @@ def test_flex_attention_with_a_learned_score_tensor_is_refused_with_the_fix(fake
     assert "flex_models.py" in str(e.value) and "buffer" in str(e.value)
 
 
-@pytest.mark.parametrize("kind", ["causal", "window", "documents"])
-@pytest.mark.parametrize("start,rows", [(0, 48), (48, 48), (96, 64), (40, 50), (7, 30)])
-def test_a_ranks_block_mask_is_torchs_block_mask_of_its_rows(kind, start, rows):
-    """Where the rank's first row starts a block, its block tensors are bit for bit
-    ``create_block_mask`` of its rows (the mask function offset by ``start``); elsewhere every
-    block is partial and the mask function alone decides, entry for entry the same mask."""
-    S = 160
-    whole = block_mask(kind, S, documents(S))
+def _rank_mask(whole, start: int, rows: int, block: int = BLOCK):
+    """(its fields, the block mask, the offset mask function) ``rows_block_mask`` makes for rows
+    ``start .. start + rows`` of ``whole`` (of sparse blocks ``block``)."""
     mask_mod = whole.mask_mod
 
     def shifted(b, h, q, kv):
         return mask_mod(b, h, q + start, kv)
 
-    fields = dict(zip(BLOCK_MASK, whole.as_tuple()))
-    got = dict(zip(BLOCK_MASK, rows_block_mask(fields, start, rows, shifted)))
-    want = create_block_mask(shifted, None, None, rows, S, device="cpu", BLOCK_SIZE=BLOCK)
-    assert (got["q_len"], got["kv_len"]) == (rows, S)
-    if start % BLOCK == 0:
-        for f, w in zip(BLOCK_MASK, want.as_tuple()):
-            if isinstance(w, torch.Tensor):
-                assert torch.equal(got[f], w), f
-    else:
-        assert got["full_kv_num_blocks"] is None
-        assert (got["kv_num_blocks"] == (S + BLOCK - 1) // BLOCK).all()
+    t = dict(zip(BLOCK_MASK, rows_block_mask(dict(zip(BLOCK_MASK, whole.as_tuple())), start, rows, shifted)))
+    fields = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
     mine = BlockMask.from_kv_blocks(
-        got["kv_num_blocks"],
-        got["kv_indices"],
-        got["full_kv_num_blocks"],
-        got["full_kv_indices"],
+        *(t[f] for f in fields), BLOCK_SIZE=BLOCK, mask_mod=shifted, seq_lengths=(rows, t["kv_len"])
+    )
+    return t, mine, shifted
+
+
+def _blocks(mask: BlockMask, full: bool, rows: int, S: int) -> torch.Tensor:
+    """The (rows, S) entries a block mask lists (its full blocks only, with ``full``)."""
+    if full and mask.full_kv_num_blocks is None:
+        return torch.zeros(rows, S, dtype=torch.bool)
+    m = BlockMask.from_kv_blocks(
+        mask.full_kv_num_blocks if full else mask.kv_num_blocks,
+        mask.full_kv_indices if full else mask.kv_indices,
         BLOCK_SIZE=BLOCK,
-        mask_mod=shifted,
         seq_lengths=(rows, S),
     )
-    dense = mine.to_dense().repeat_interleave(BLOCK, -2).repeat_interleave(BLOCK, -1)[..., :rows, :S].bool()
+    return m.to_dense().repeat_interleave(BLOCK, -2).repeat_interleave(BLOCK, -1)[..., :rows, :S].bool()
+
+
+@pytest.mark.parametrize("kind", ["causal", "window", "documents"])
+@pytest.mark.parametrize("start,rows", [(0, 48), (48, 48), (96, 64), (0, 40), (48, 40), (40, 50), (7, 30)])
+def test_a_ranks_block_mask_is_torchs_block_mask_of_its_rows(kind, start, rows):
+    """Where the rank's first row starts a block and its rows end on one (or at the end), its block
+    tensors are bit for bit ``create_block_mask`` of its rows (the mask function offset by
+    ``start``); where they end mid-block, the global mask's blocks (a superset, the same full
+    ones); where they start mid-block, every block partial. Each way sound: every entry the mask
+    lets through lies in a listed block, and every block listed full is wholly let through."""
+    S = 160
+    whole = block_mask(kind, S, documents(S))
+    t, mine, shifted = _rank_mask(whole, start, rows)
+    assert (t["q_len"], t["kv_len"]) == (rows, S)
     exact = create_mask(shifted, None, None, rows, S, device="cpu")
-    assert not (exact & ~dense).any()  # every unmasked entry lies in a listed block
+    if start % BLOCK == 0 and (rows % BLOCK == 0 or start + rows == S):
+        want = create_block_mask(shifted, None, None, rows, S, device="cpu", BLOCK_SIZE=BLOCK)
+        for f, w in zip(BLOCK_MASK, want.as_tuple()):
+            if isinstance(w, torch.Tensor):
+                assert torch.equal(t[f], w), f
+    elif start % BLOCK:
+        assert t["full_kv_num_blocks"] is None and (t["kv_num_blocks"] == (S + BLOCK - 1) // BLOCK).all()
+    assert not (exact & ~(_blocks(mine, False, rows, S) | _blocks(mine, True, rows, S))).any()
+    if mine.full_kv_num_blocks is not None:
+        assert not (_blocks(mine, True, rows, S) & ~exact).any()
+
+
+def test_a_ranks_block_mask_gives_its_rows_of_attention_where_the_kernel_reads_the_blocks():
+    """Inductor's CPU FlexAttention kernel reads the block tables (a table listing no block gives
+    other values; the eager implementation reads only the mask function): a rank's rows of
+    attention through its own block mask, sliced or every block partial, are the whole
+    sequence's attention at those rows (forward; a CPU cannot compile the backward)."""
+    S, H, D = 160, 2, 16
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, H, S, D) for _ in range(3))
+    whole = block_mask("documents", S, documents(S))
+    ref = flex_attention(q, k, v, block_mask=whole)
+    compiled = torch.compile(flex_attention)
+    for start, rows in [(48, 48), (0, 40), (40, 50)]:
+        t, mine, _ = _rank_mask(whole, start, rows)
+        empty = BlockMask.from_kv_blocks(
+            torch.zeros_like(t["kv_num_blocks"]),
+            t["kv_indices"],
+            BLOCK_SIZE=BLOCK,
+            mask_mod=mine.mask_mod,
+            seq_lengths=(rows, S),
+        )
+        with torch.no_grad():
+            got = compiled(q[:, :, start : start + rows], k, v, block_mask=mine)
+            none = compiled(q[:, :, start : start + rows], k, v, block_mask=empty)
+        want = ref[:, :, start : start + rows]
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (start, rows)
+        assert (none - want).abs().max() > 0.1, (start, rows)  # the kernel reads the tables
 
 
 def _exact_and_split(results, world, lengths):

@@ -18,7 +18,7 @@ from ..partition._checkpoint import Checkpoint
 from ..partition._fsdp import fsdp_notes
 from ..partition._memory import MemoryEstimate
 from ..propagate._attention import attention_notes
-from ..propagate._flex import FLEX
+from ..propagate._flex import FLEX, flex_args, is_flex
 from ..propagate._placement import R, redistribute_kind, transfer_bytes
 from ..propagate._solver import Choice
 
@@ -447,18 +447,24 @@ def _ulysses_note(plan: Plan) -> tuple[str, ...]:
     return (head + "; beyond it: " + "; ".join(rows),)
 
 
-def _gathering(joint: fx.GraphModule, plan) -> set[str]:
-    """The attention ops the plan runs against all-gathered K/V (their notes say why)."""
-    return {nd.name for nd in joint.graph.nodes if nd in plan and plan[nd].kernel == Kernel.KV_GATHER}
+def _gathering(joint: fx.GraphModule, plan) -> set[tuple[str, str]]:
+    """(attention op, its key or value) of each op the plan runs against all-gathered K/V (their
+    notes say why K/V are gathered)."""
+    out = set()
+    for nd in joint.graph.nodes:
+        if nd in plan and plan[nd].kernel == Kernel.KV_GATHER:
+            args = flex_args(nd.target, nd.args) if is_flex(nd.target) else op_args(nd)
+            out |= {(nd.name, args[k].name) for k in ("key", "value") if isinstance(args.get(k), fx.Node)}
+    return out
 
 
-def _gather_notes(colls: list[Collective], gathering: set[str] = frozenset()) -> list[str]:
+def _gather_notes(colls: list[Collective], gathering: set[tuple[str, str]] = frozenset()) -> list[str]:
     """Why each sharded value is all-gathered: the op that reads it whole, or the step returning it
-    (K/V that attention ops in ``gathering`` read whole are said in their notes)."""
+    (the K/V of ``gathering``'s (op, key or value) are said in the attention's notes)."""
 
     def why(c: Collective) -> str | None:
         what = f"{c.producer} ({'x'.join(map(str, c.shape))} {c.dtype}, {c.src}) is all-gathered"
-        if c.consumer in gathering:
+        if (c.consumer, c.producer) in gathering:
             return None
         if c.consumer == "output":
             return (

@@ -85,8 +85,10 @@ def flex_call(nd, s, target, args, kwargs, ctx):
     mask_mod = _shifted(block["mask_mod"], dim, score=False)
     if dim == 2:
         block_mask = rows_block_mask(block, start, q.shape[2], mask_mod)
-    else:
-        block_mask = (*a["block_mask"][:-1], mask_mod)
+    else:  # the block tensors this rank's heads or sequences (their placement's slice, a view),
+        # contiguous: GPU kernels find a row from the head stride alone
+        block_mask = tuple(x.contiguous() if isinstance(x, torch.Tensor) else x for x in a["block_mask"][:-1])
+        block_mask = (*block_mask, mask_mod)
     assert len(block_mask) == len(BLOCK_MASK)
     scores = (*a["score_mod_other_buffers"], offset)
     masks = (*a["mask_mod_other_buffers"], offset)

@@ -7,9 +7,9 @@ A FlexAttention op runs with its heads split (Ulysses), its batch split, or with
 sequence-sharded against all-gathered K/V (as torch's context parallelism runs it): each rank
 evaluates the mask and score functions on its own rows only (their query index offset by its
 first row), so no rank holds an L x L mask. Its block mask, captured functions' tensors and
-block-sparsity tensors (``(L / 128)^2`` integers) stay whole. Not offered: ring attention, and
-any split where the score function reads a tensor that takes a gradient (a learned bias: its
-gradient would be a partial sum the op does not return as such): that op runs whole.
+block-sparsity tensors (``(L / 128)^2`` integers) stay whole. Not offered: ring attention.
+Refused (a ``PlanError``): a score function that reads a tensor taking a gradient (a learned
+bias), whose gradient the op returns in a tuple of its own, which autosp does not place.
 
 A higher-order op has no schema: its arguments are read by position through ``FORWARD_ARGS``,
 ``BACKWARD_ARGS`` and ``BLOCK_MASK`` (``BlockMask.as_tuple()``'s fields), in one place.
@@ -147,10 +147,10 @@ def _learned(node: fx.Node) -> bool:
 
 
 def _ordered(node: fx.Node) -> bool:
-    """A block mask with deterministic dQ write orders (``dq_write_order``): per row block, not
-    re-derived for a rank's rows here."""
+    """A block mask with deterministic dQ write orders (``dq_write_order`` and the fields after
+    it): per row block, not re-derived for a rank's rows here."""
     block = flex_args(node.target, node.args)["block"]
-    return any(block.get(f) is not None for f in ("dq_write_order", "dq_write_order_full", "dq_kv_order"))
+    return any(block.get(f) is not None for f in BLOCK_MASK[10:14])
 
 
 def _outs(node: fx.Node, p, grads=None) -> tuple:

@@ -172,11 +172,15 @@ def _exact_and_split(results, world, lengths):
 
 
 def test_packed_documents_through_flex_attention_are_exact_on_2_ranks_with_no_rank_holding_the_mask(pools):
-    """3 packed documents, ALiBi, K/V gathered (forced), at 64 then 37 tokens (a new length, odd
-    shards: a rank's first row starts no block): exact, split, and no (L, L) tensor on a rank."""
-    results = pools(2).run(cases.flex_exactness, "documents", [64, 37], "alibi", "kv_gather", "aot_eager", True)
-    _exact_and_split(results, 2, [64, 37])
-    assert all(0 < r["rows"] <= 19 for r in results), [r["rows"] for r in results]
+    """3 packed documents, ALiBi, K/V gathered (forced), a new length each step (64, 37, 50, 61:
+    even and odd shards, a rank's first row starting a block or not): exact, split, no (L, L)
+    tensor on a rank, and the block mask passed in follows the symbolic length: a compile for
+    even shards, one for odd, one where rank 1's rows start mid-block (not one per length)."""
+    lengths = [64, 37, 50, 61]
+    results = pools(2).run(cases.flex_exactness, "documents", lengths, "alibi", "kv_gather", "aot_eager", True)
+    _exact_and_split(results, 2, lengths)
+    assert all(0 < r["rows"] <= 31 for r in results), [r["rows"] for r in results]
+    assert all(r["graphs"] <= 3 for r in results), [r["graphs"] for r in results]
     assert ("all_gather", "S(2)", "R", 4) in results[0]["kinds"], results[0]["kinds"]
 
 
@@ -229,3 +233,24 @@ def test_flex_attention_costs_its_flops_in_the_checkpointing_pass():
     gm = make_fx(fwd)(q, q, q)
     (nd,) = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is hop]
     assert _flops(nd) == 4.0 * B * H * S * S * D and _kind(nd) == "attention"
+
+
+def test_a_block_mask_input_travels_as_its_tables_and_is_rebuilt_whole():
+    """``backend._block_masks``: the masks among the inputs (in tuples, named tuples, lists and
+    dicts) become carriers whose lengths are tensor sizes, and come back equal; inputs holding
+    none are passed on as they are."""
+    from collections import namedtuple
+
+    from autosp.backend._block_masks import BlockMaskInput, block_mask_inputs, rebuilt
+
+    Pair = namedtuple("Pair", "mask n")
+    bm = block_mask("documents", 64, documents(64))
+    batch = {"ids": torch.ones(2)}
+    args, kwargs = block_mask_inputs((Pair(bm, 3), [bm], batch), {"m": bm})
+    assert isinstance(args[0].mask, BlockMaskInput) and isinstance(kwargs["m"], BlockMaskInput)
+    assert args[2] is batch
+    assert tuple(args[0].mask.rows.shape) == (64, 0) and tuple(args[0].mask.cols.shape) == (0, 64)
+    back, kw = rebuilt(args, kwargs)
+    for m in (back[0].mask, back[1][0], kw["m"]):
+        assert m.seq_lengths == (64, 64) and m.BLOCK_SIZE == bm.BLOCK_SIZE and m.mask_mod is bm.mask_mod
+        assert all(torch.equal(a, b) for a, b in zip(m.as_tuple()[2:10], bm.as_tuple()[2:10]))

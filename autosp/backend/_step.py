@@ -24,6 +24,7 @@ from .._context import Options
 from ..errors import GraphBreakError, PlanError, RecompileLimitError, collective_error, user_frame
 from ..propagate._annotate import annotate_placement
 from ._backend import CALL_STARTED, make_backend
+from ._block_masks import block_mask_inputs, rebuilt
 from ._experts import capture_hf_experts
 from ._fsdp import FsdpParams, find_fsdp
 from ._inputs import check_same_inputs
@@ -340,6 +341,7 @@ class ShardedStep:
 
         def step(*args, **kwargs):
             shards = kwargs.pop(_SHARDS, None)
+            args, kwargs = rebuilt(args, kwargs)  # block masks passed on a symbolic length
             args, kwargs = _map_inputs(
                 self.fn, self.seq, args, kwargs, lambda name, value, dim: annotate_placement(value, Shard(dim), False)
             )
@@ -362,7 +364,8 @@ class ShardedStep:
 
     def _symbolic_inputs(self, args, kwargs) -> tuple[tuple, dict, dict[int, int]]:
         """The inputs, each sharded one as an alias with its sharded dim marked dynamic (the
-        caller's tensors stay unmarked), and the alias ids -> their dims."""
+        caller's tensors stay unmarked; a FlexAttention block mask's lengths too:
+        ``_block_masks``), and the alias ids -> their dims."""
         marked: dict[int, int] = {}
 
         def mark(name, value, dim):
@@ -372,6 +375,7 @@ class ShardedStep:
             return alias
 
         args, kwargs = _map_inputs(self.fn, self.seq, args, kwargs, mark)
+        args, kwargs = block_mask_inputs(args, kwargs)  # FlexAttention's, lengths symbolic too
         return args, kwargs, marked
 
     def _fsdp(self, m):

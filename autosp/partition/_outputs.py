@@ -41,10 +41,12 @@ class Output:
 
 
 def output_specs(joint: fx.GraphModule, plan: dict[fx.Node, Strategy], num_fwd_outputs: int) -> list[Output | None]:
-    """Per output of the joint graph (None where it is not a node)."""
+    """Per output of the joint graph (None where it is not a tensor: a size the step returns, as
+    Dynamo does to rebuild an object the step made and kept, a block mask set on a module, is
+    the global one on every rank)."""
     specs: list[Output | None] = []
     for k, a in enumerate(joint.graph.output_node().args[0]):
-        if not isinstance(a, fx.Node):
+        if not isinstance(a, fx.Node) or isinstance(a.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool)):
             specs.append(None)
             continue
         p, v = plan[a].outs[0], out_vals(a)[0]

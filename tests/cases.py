@@ -1931,6 +1931,7 @@ def flex_exactness(
     kv_heads: int = 2,
     b: int = 1,
     device: str = "cpu",
+    lse: bool = False,
 ) -> dict:
     """A Llama with FlexAttention (``flex_models``) and the block mask ``mask`` built outside the
     step, ``b`` sequences a step at each of ``lengths`` (on ``device``; a GPU's block size is 128):
@@ -1941,7 +1942,7 @@ def flex_exactness(
     from flex_models import FlexLlama, block_mask, documents
 
     torch.manual_seed(0)
-    model = FlexLlama(LlamaConfig(heads=heads, kv_heads=kv_heads), score=score).to(device)
+    model = FlexLlama(LlamaConfig(heads=heads, kv_heads=kv_heads), score=score, lse=lse).to(device)
     ref = copy.deepcopy(model)
     block = 128 if device == "cuda" else flex_models.BLOCK
     steps, graphs = [], 0

@@ -74,6 +74,7 @@ class FlexAttention(LlamaAttention):
 
     mask = None
     score_mod = None
+    lse = False  # also read the log-sum-exp (return_lse), weighting each row's output by it
 
     def forward(self, x, cos, sin):
         b, t, _ = x.shape
@@ -84,20 +85,27 @@ class FlexAttention(LlamaAttention):
         cos, sin = cos[:, None], sin[:, None]
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        o = flex_attention(q, k, v, score_mod=self.score_mod, block_mask=self.mask, enable_gqa=True)
+        if self.lse:  # the log-sum-exp's gradient reaches the op (its backward's grad_logsumexp)
+            o, lse = flex_attention(
+                q, k, v, score_mod=self.score_mod, block_mask=self.mask, enable_gqa=True, return_lse=True
+            )
+            o = o * torch.sigmoid(lse)[..., None]
+        else:
+            o = flex_attention(q, k, v, score_mod=self.score_mod, block_mask=self.mask, enable_gqa=True)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, c.heads * hd))
 
 
 class FlexLlama(Llama):
-    """``examples.models.Llama`` with FlexAttention and ``score`` ("none", "softcap" or "alibi");
-    ``forward(input_ids, labels, block_mask)``."""
+    """``examples.models.Llama`` with FlexAttention and ``score`` ("none", "softcap" or "alibi"),
+    its log-sum-exp read too with ``lse``; ``forward(input_ids, labels, block_mask)``."""
 
-    def __init__(self, c: LlamaConfig, score: str = "none"):
+    def __init__(self, c: LlamaConfig, score: str = "none", lse: bool = False):
         super().__init__(c)
         self.score = score
         self.register_buffer("slopes", 2.0 ** (-8.0 * torch.arange(1, c.heads + 1) / c.heads), persistent=False)
         for block in self.blocks:
             block.attn.__class__ = FlexAttention
+            block.attn.lse = lse
 
     def _score_mod(self):
         if self.score == "softcap":

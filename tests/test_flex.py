@@ -216,6 +216,17 @@ def test_flex_attention_over_two_sequences_with_their_own_documents_is_exact(poo
     _exact_and_split(results, 2, [64, 37])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", ["auto", "kv_gather"])
+def test_flex_attention_whose_log_sum_exp_is_read_is_exact(pools, attention):
+    """``return_lse=True`` with the log-sum-exp weighting the output: its gradient reaches the
+    backward op (``grad_logsumexp``), split as the query rows or heads are."""
+    results = pools(2).run(
+        cases.flex_exactness, "documents", [64, 37], "alibi", attention, "aot_eager", True, 4, 2, 1, "cpu", True
+    )
+    _exact_and_split(results, 2, [64, 37])
+
+
 def test_flex_attention_costs_its_flops_in_the_checkpointing_pass():
     """4·B·H·Sq·Sk·D forward, 2.5 times that backward (dense: its block sparsity is data)."""
     from torch._higher_order_ops.flex_attention import flex_attention as hop

@@ -3,8 +3,8 @@
 A ``BlockMask`` holds its lengths as Python ints and its block tables with one entry per block
 of the length; flex_attention compares the lengths with the query's. Dynamo makes an int it
 reads a constant (autosp marks only the sharded dims symbolic, with automatic dynamic shapes
-off), so each new length compiled the step again: 4 compiles for 64, 37, 50 and 61 tokens, and
-the ninth length met Dynamo's recompile limit.
+off), so each new length compiled the step again: 4 compiles for 64, 37, 50 and 61 tokens, and a
+ninth length would have met Dynamo's recompile limit (8).
 
 On a symbolic length each block mask among the inputs therefore travels as a ``BlockMaskInput``:
 its lengths as the sizes of two empty tensors, its block tables as aliases, each with those dims
@@ -23,20 +23,13 @@ from typing import Any
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
+from ..propagate._flex import BLOCK_TABLES, DQ_ORDERS
+
 __all__ = ["BlockMaskInput", "block_mask_inputs", "rebuilt"]
 
-# BlockMask's tensor fields (and ``dq_kv_order_spt``, a bool), as its constructor names them
-_FIELDS = (
-    "kv_num_blocks",
-    "kv_indices",
-    "full_kv_num_blocks",
-    "full_kv_indices",
-    "q_num_blocks",
-    "q_indices",
-    "full_q_num_blocks",
-    "full_q_indices",
-)
-_KEYWORDS = ("dq_write_order", "dq_write_order_full", "dq_kv_order", "dq_kv_order_spt")
+# BlockMask's tables and deterministic dQ orders (``dq_kv_order_spt`` a bool), as its constructor
+# names them
+_FIELDS, _KEYWORDS = BLOCK_TABLES, DQ_ORDERS
 
 
 @dataclasses.dataclass

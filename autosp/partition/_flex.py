@@ -23,7 +23,16 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from ..propagate._flex import BLOCK_MASK, FLEX, FLEX_BACKWARD, flex_args, flex_inputs
+from ..propagate._flex import (
+    BACKWARD_ARGS,
+    BLOCK_MASK,
+    BLOCK_TABLES,
+    FLEX,
+    FLEX_BACKWARD,
+    FORWARD_ARGS,
+    flex_args,
+    flex_inputs,
+)
 from ..propagate._placement import chunks, shard_spec
 
 __all__ = ["flex_call", "rows_block_mask", "FLEX_CALLS"]
@@ -54,7 +63,7 @@ def rows_block_mask(block: dict, start, rows, mask_mod) -> tuple:
     # symbolic length (the ranks then agree: ``rank_graph`` exchanges guards)
     if bool(start % QB == 0):
         end = first + (rows + QB - 1) // QB
-        fields = [block[f] for f in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")]
+        fields = [block[f] for f in BLOCK_TABLES[:4]]  # the kv-side tables; from_kv_blocks derives the rest
         # contiguous, as torch's own are (small: a row block holds one entry per key block)
         num, idx, full_num, full_idx = (None if t is None else t[:, :, first:end].contiguous() for t in fields)
     else:  # one partial block everywhere: the mask function decides every entry
@@ -81,10 +90,9 @@ def flex_call(nd, s, target, args, kwargs, ctx):
     global_q = flex_args(nd.target, nd.args)["query"].meta["val"]
     start = sum(chunks(global_q.shape[dim], ctx.n)[: ctx.rank])
     offset = torch.full((), start, dtype=torch.int32, device=q.device)
-    block = dict(a["block"])
-    mask_mod = _shifted(block["mask_mod"], dim, score=False)
+    mask_mod = _shifted(a["block"]["mask_mod"], dim, score=False)
     if dim == 2:
-        block_mask = rows_block_mask(block, start, q.shape[2], mask_mod)
+        block_mask = rows_block_mask(a["block"], start, q.shape[2], mask_mod)
     else:  # the block tensors this rank's heads or sequences (their placement's slice, a view),
         # contiguous: GPU kernels find a row from the head stride alone
         block_mask = tuple(x.contiguous() if isinstance(x, torch.Tensor) else x for x in a["block_mask"][:-1])
@@ -95,8 +103,7 @@ def flex_call(nd, s, target, args, kwargs, ctx):
     if target is FLEX:
         new = dict(a, score_mod=_shifted(a["score_mod"], dim, score=True), block_mask=block_mask)
         new.update(score_mod_other_buffers=scores, mask_mod_other_buffers=masks)
-        names = [n for n in new if n != "block"]
-        return target, tuple(new[n] for n in names), kwargs
+        return target, tuple(new[n] for n in FORWARD_ARGS), kwargs
     own = len(a["score_mod_other_buffers"])
     new = dict(
         a,
@@ -106,13 +113,12 @@ def flex_call(nd, s, target, args, kwargs, ctx):
         score_mod_other_buffers=scores,
         mask_mod_other_buffers=masks,
     )
-    names = [n for n in new if n != "block"]
 
     def backward(*args):
         dq, dk, dv, grads = FLEX_BACKWARD(*args)
         return dq, dk, dv, tuple(grads[:own])  # the offset's (None) dropped
 
-    return backward, tuple(new[n] for n in names), kwargs
+    return backward, tuple(new[n] for n in BACKWARD_ARGS), kwargs
 
 
 # op -> its per-rank call under every strategy (``_localize``: before the kernels' calls)

@@ -25,7 +25,7 @@ import torch.fx as fx
 from .._context import Kernel
 from .._graph import out_vals
 from ..errors import PlanError, source_line
-from ._placement import P, R, can_shard, shard, shard_specs
+from ._placement import P, R, shard, shard_specs
 from ._strategy import Strategy, provenance, rule
 
 __all__ = [
@@ -34,6 +34,8 @@ __all__ = [
     "FORWARD_ARGS",
     "BACKWARD_ARGS",
     "BLOCK_MASK",
+    "BLOCK_TABLES",
+    "DQ_ORDERS",
     "is_flex",
     "flex_args",
     "flex_inputs",
@@ -92,6 +94,9 @@ BLOCK_MASK = (
     "kv_block_size",
     "mask_mod",
 )
+# its block-sparsity tables, and the deterministic dQ orders that may follow them
+BLOCK_TABLES = BLOCK_MASK[2:10]
+DQ_ORDERS = BLOCK_MASK[10:14]
 # the tensors split alike with the query (and those a backward reads beside it)
 _ROWS = ("query", "out", "logsumexp", "grad_out", "grad_logsumexp")
 
@@ -150,7 +155,7 @@ def _ordered(node: fx.Node) -> bool:
     """A block mask with deterministic dQ write orders (``dq_write_order`` and the fields after
     it): per row block, not re-derived for a rank's rows here."""
     block = flex_args(node.target, node.args)["block"]
-    return any(block.get(f) is not None for f in BLOCK_MASK[10:14])
+    return any(block.get(f) is not None for f in DQ_ORDERS)
 
 
 def _outs(node: fx.Node, p, grads=None) -> tuple:
@@ -181,12 +186,12 @@ def _split(node: fx.Node, dim: int, n: int) -> Strategy | None:
     tensors split alike where they have one entry per head (or sequence), else stay whole (one
     for all); the functions see global head (or batch) indices (``partition._flex``)."""
     q, k = _val(node, "query"), _val(node, "key")
-    if not (can_shard(q.shape[dim], 1, n) and can_shard(k.shape[dim], 1, n)) or q.shape[dim] % n or k.shape[dim] % n:
+    if q.shape[dim] % n or k.shape[dim] % n:  # evenly (a rank without heads: the kernels divide by them)
         return None
     if dim == 0 and k.shape[0] != q.shape[0]:
         return None
     args = flex_args(node.target, node.args)
-    dims = {out_vals(x)[0].shape[dim] for f, x in args["block"].items() if f in BLOCK_MASK[2:10] and x is not None}
+    dims = {out_vals(x)[0].shape[dim] for f, x in args["block"].items() if f in BLOCK_TABLES and x is not None}
     if not dims <= {1, q.shape[dim]}:
         return None
     block = shard(dim) if q.shape[dim] in dims and q.shape[dim] > 1 else R
@@ -225,7 +230,7 @@ def _flex(node: fx.Node, A, n: int) -> list[Strategy]:
             "compute the score from tensors that need no gradient (ALiBi's slopes as a buffer), or run this "
             "attention as SDPA with the bias as attn_mask",
         )
-    res = [Strategy(_outs(node, R, (R, R, R)), _ins(node, {}))]
+    res = [Strategy(_outs(node, R), _ins(node, {}))]
     if shard(2) in A[roles.index("query")] and not _ordered(node):
         res.append(_gathered(node, n))
     for dim in (1, 0):

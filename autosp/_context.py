@@ -73,6 +73,10 @@ class Options:
     dynamic: capture the step with the sequence lengths symbolic, one compile for every length
         (True, the default; the environment variable ``AUTOSP_DYNAMIC=0`` makes False the
         default), or compile once per length (False), e.g. ``dynamic=False``.
+    blocks_once: capture each group of two or more alike repeated blocks (a model's layers) once,
+        as ``torch.compiler.nested_compile_region`` would, and plan the step as one graph (True,
+        the default); False traces every block (a fallback should torch's subgraph capture fail
+        on a model), e.g. ``blocks_once=False``.
     device: the accelerator the step is planned for, one of ``autosp._devices.DEVICES``: the
         checkpointing pass weighs a byte written and a byte copied to the host against a flop
         at its figures (an H100's 295 and 15,450 flop/B) instead of this CPU's 16;
@@ -87,6 +91,7 @@ class Options:
     every_rung: bool = False
     check_inputs: bool = True
     dynamic: bool = field(default_factory=lambda: os.environ.get("AUTOSP_DYNAMIC", "1") != "0")
+    blocks_once: bool = True
     device: str | None = None
 
     def __post_init__(self):

@@ -2,7 +2,7 @@
 by depth and by sp size (issue: compile at the scale people train).
 
     OMP_NUM_THREADS=1 python -m benchmarks.compile_time [--layers 2,8] [--sp 2,8] [--seq 1024]
-        [--dim 256] [--timeout 900] [--json out.jsonl]
+        [--dim 256] [--kinds plain,static,symbolic,symbolic-each] [--timeout 900] [--json out.jsonl]
 
 The example Llama (``examples.models``) at ``--dim`` with ``--layers`` layers and ``--seq`` tokens.
 Each point runs in a fresh process (nothing cached between them), one after another:
@@ -12,7 +12,9 @@ Each point runs in a fresh process (nothing cached between them), one after anot
 - ``static`` / ``symbolic``: ``autosp.explain`` of the sharded step on a fake process group of
   ``sp`` ranks (``aot_eager``; ``dynamic=False`` / the default, symbolic lengths): the whole
   planning pipeline, which stops before the backend compiler (``aot_eager``'s is a wrapper); and
-  the plan's own ``timings`` by phase.
+  the plan's own ``timings`` by phase;
+- ``symbolic-each``: ``symbolic`` with every block traced (``blocks_once=False``), as before
+  alike blocks were captured once.
 
 A point past ``--timeout`` seconds is reported as such. The machine must be otherwise idle: the
 figures are wall-clock times of one process on one core.
@@ -51,7 +53,12 @@ else:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=sp)
     t0 = time.perf_counter()
     with autosp.mesh(sp=sp):
-        step = autosp.shard(lambda a, b: model(a, b), compiler="aot_eager", dynamic=kind == "symbolic")
+        step = autosp.shard(
+            lambda a, b: model(a, b),
+            compiler="aot_eager",
+            dynamic=kind.startswith("symbolic"),
+            blocks_once=not kind.endswith("-each"),
+        )
         plan = autosp.explain(step, ids, ids)
     out["seconds"] = time.perf_counter() - t0
     out["timings"] = plan.timings
@@ -60,7 +67,9 @@ else:
 print("RESULT " + json.dumps(out))
 """
 
-KINDS = ("plain", "static", "symbolic")
+# "symbolic-each": symbolic with every block traced (``blocks_once=False``): before blocks were
+# captured once, side by side
+KINDS = ("plain", "static", "symbolic", "symbolic-each")
 
 
 def run_point(kind: str, layers: int, sp: int, seq: int, dim: int, heads: int, timeout: float) -> dict:
@@ -82,15 +91,18 @@ def run_point(kind: str, layers: int, sp: int, seq: int, dim: int, heads: int, t
 
 def table(results: list[dict]) -> str:
     """Markdown: one row per (layers, sp), plain's seconds and autosp's with the ratios."""
+    each = any(r["kind"] == "symbolic-each" for r in results)
     rows = ["| layers | sp | plain (s) | static (s) | symbolic (s) | static / plain | symbolic / static |"]
-    rows.append("|---|---|---|---|---|---|---|")
+    rows[0] += " symbolic, every block traced (s) |" if each else ""
+    rows.append("|---|---|---|---|---|---|---|" + ("---|" if each else ""))
     points = sorted({(r["layers"], r["sp"]) for r in results})
     for layers, sp in points:
         got = {r["kind"]: r.get("seconds") for r in results if (r["layers"], r["sp"]) == (layers, sp)}
         fmt = lambda x: "-" if x is None else f"{x:.1f}"  # noqa: E731
         ratio = lambda a, b: "-" if a is None or b is None or not b else f"{a / b:.2f}x"  # noqa: E731
         p, s, y = got.get("plain"), got.get("static"), got.get("symbolic")
-        rows.append(f"| {layers} | {sp} | {fmt(p)} | {fmt(s)} | {fmt(y)} | {ratio(s, p)} | {ratio(y, s)} |")
+        row = f"| {layers} | {sp} | {fmt(p)} | {fmt(s)} | {fmt(y)} | {ratio(s, p)} | {ratio(y, s)} |"
+        rows.append(row + (f" {fmt(got.get('symbolic-each'))} |" if each else ""))
     return "\n".join(rows)
 
 
@@ -101,6 +113,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--dim", type=int, default=256, help="model width (heads: 8, or the largest sp)")
     ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--kinds", default="plain,static,symbolic", help=f"of {','.join(KINDS)}")
     ap.add_argument("--json", default=None, help="append each point's result to this file (JSON lines)")
     args = ap.parse_args()
     layers_list, sps = [int(x) for x in args.layers.split(",")], [int(x) for x in args.sp.split(",")]
@@ -114,11 +127,14 @@ def main() -> None:
             with open(args.json, "a") as f:
                 f.write(json.dumps(r) + "\n")
 
+    kinds = args.kinds.split(",")
     for layers in layers_list:
-        plain = run_point("plain", layers, 1, args.seq, args.dim, heads, args.timeout)  # the same for every sp
+        if "plain" in kinds:  # the same for every sp
+            plain = run_point("plain", layers, 1, args.seq, args.dim, heads, args.timeout)
         for sp in sps:
-            record({**plain, "sp": sp})
-            for kind in KINDS[1:]:
+            if "plain" in kinds:
+                record({**plain, "sp": sp})
+            for kind in (k for k in KINDS[1:] if k in kinds):
                 record(run_point(kind, layers, sp, args.seq, args.dim, heads, args.timeout))
     print(table(results))
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.tensor.experimental import register_sharding
 
 import autosp
-from examples.models import GPT, GPTConfig, Llama, LlamaConfig
+from examples.models import GPT, GPTConfig, Llama, LlamaBlock, LlamaConfig
 
 MODELS = {
     "llama": lambda: Llama(LlamaConfig()),
@@ -376,6 +376,65 @@ def _against_one_device(model, ref, loss_fn, *inputs):
         err = _grad_errors(model, ref)
         flops = (_matmul_flops(lambda: step(*inputs)), _matmul_flops(lambda: loss_fn(ref, *inputs)))
     return (loss.item(), loss_ref.item()), err, step, flops
+
+
+class MarkedBlock(LlamaBlock):
+    """The example Llama's block as a user marks it to be compiled once."""
+
+    forward = torch.compiler.nested_compile_region(LlamaBlock.forward)
+
+
+def region_exactness(form: str, lengths: list[int]) -> dict:
+    """The example Llama (3 layers, 4 heads) at each of ``lengths`` (a symbolic length: one
+    compile) against one device, its blocks marked by the user with ``nested_compile_region``
+    (``form="marked"``), captured once by autosp (``"outlined"``, the default) or traced each
+    (``"traced"``, ``blocks_once=False``). Per length: the loss pair, each gradient's error and the
+    matmul FLOPs (this rank's, one device's); the plan's notes and collective kinds, the compiles,
+    and how many times AOTAutograd traced a block's joint graph."""
+    import importlib
+
+    hop = importlib.import_module("torch._higher_order_ops.invoke_subgraph")  # the module, not the op
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(heads=4, kv_heads=4, layers=3))
+    if form == "marked":
+        for block in model.blocks:
+            block.__class__ = MarkedBlock
+    ref = copy.deepcopy(model)
+    traced, joint = [], hop.trace_joint_graph_as_bwd
+
+    def counted(*a, **k):
+        traced.append(1)
+        return joint(*a, **k)
+
+    hop.trace_joint_graph_as_bwd = counted
+    out, compiled = {"steps": []}, _compiles()
+    try:
+        with autosp.mesh():
+            step = autosp.shard(
+                lambda *a: model(*a), compiler="aot_eager", checkpoint="none", blocks_once=form != "traced"
+            )
+            for i, L in enumerate(lengths):
+                ids, labels = batch("llama", 1, L, seed=i)
+                loss = step(ids, labels)
+                loss.backward()
+                loss_ref = ref(ids, labels)
+                loss_ref.backward()
+                flops = (
+                    _matmul_flops(lambda ids=ids, labels=labels: step(ids, labels)),
+                    _matmul_flops(lambda ids=ids, labels=labels: ref(ids, labels)),
+                )
+                out["steps"].append(
+                    {"loss": (loss.item(), loss_ref.item()), "err": _grad_errors(model, ref), "flops": flops}
+                )
+                for p in (*model.parameters(), *ref.parameters()):
+                    p.grad = None
+    finally:
+        hop.trace_joint_graph_as_bwd = joint
+    out["notes"] = step.plan.notes
+    out["kinds"] = sorted({c.kind for c in step.plan.collectives})
+    out["graphs"] = _compiles() - compiled
+    out["block_traces"] = len(traced)
+    return out
 
 
 # Reductions users write over activations, along the sequence and over every dim: the ones whose

@@ -33,8 +33,8 @@ def shard(fn: Callable | nn.Module | None = None, *, seq: SeqSpec = True, **opti
         "ulysses", "ring", "kv_gather", "hybrid"; a forced kernel that cannot run an attention op
         exactly is an error), ``dynamic`` (True: the sequence lengths symbolic, one compile for
         every length; False: one per length), ``offload`` (True: also weigh checkpointing rungs
-        whose saved layer activations are in host memory), ``mem_weight``, ``every_rung``,
-        ``check_inputs``.
+        whose saved layer activations are in host memory), ``blocks_once`` (True: alike repeated
+        blocks traced once), ``mem_weight``, ``every_rung``, ``check_inputs``.
     Called with full, global tensors (identical on the ranks of an sp group); returns what one
     device would: the global loss on every rank, and after ``backward()`` every parameter's
     ``.grad`` is the single-device gradient on every rank. Under ``torch.no_grad()`` (evaluation)

@@ -28,6 +28,7 @@ from torch._decomp import get_decompositions
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch import config as functorch_config
 from torch._functorch._aot_autograd.utils import call_func_at_runtime_with_args
+from torch._functorch.partitioners import default_partition
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -49,6 +50,7 @@ from ..partition import (
 from ..propagate import Choice, propagate, solve
 from ._checks import any_rank, check_same_plan, check_same_schedule, largest_peaks, smallest_over_ranks
 from ._plan import Plan, build_plan, timing_line
+from ._regions import inline_regions, is_region_joint, outline_blocks, schema_once
 from ._symbolic import guard_budget_lengths, guard_even_shards, hinted, is_symbolic, lengths_note, rank_graph
 from ._unchunk import unchunk
 
@@ -423,6 +425,9 @@ class _Backend:
         return plan
 
     def partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs, **kwargs):
+        if is_region_joint(joint_inputs):  # a repeated block's own: inlined into the step's below
+            return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        inline_regions(joint)
         c = Compile(joint, joint_inputs, num_fwd_outputs, True, self.ctx.rank, kwargs, captured=self.captured)
         run_passes(TRAINING, c, self.ctx)
         self._planned(c)
@@ -432,6 +437,7 @@ class _Backend:
         """A graph without a backward (the step under ``torch.no_grad()``): ``FORWARD_ONLY``."""
 
         def plan_it(graph, example_inputs):
+            inline_regions(graph)
             inputs = [list(example_inputs), []]  # (primals, tangents), as localize reads a joint graph's
             outputs = len(graph.graph.output_node().args[0])
             c = Compile(graph, inputs, outputs, False, self.ctx.rank, captured=self.captured)
@@ -460,5 +466,6 @@ class _Backend:
     def backend(self, gm: fx.GraphModule, example_inputs):
         """Dynamo's graph of the step: chunked losses as one (``unchunk``), then AOTAutograd."""
         gm, captured = unchunk(gm)
-        self.captured = tuple(captured)
-        return self.compile_joint(gm, example_inputs)
+        self.captured = tuple(captured) + (outline_blocks(gm) if self.ctx.options.blocks_once else ())
+        with schema_once():
+            return self.compile_joint(gm, example_inputs)

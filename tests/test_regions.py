@@ -1,0 +1,193 @@
+"""Repeated blocks captured once (``autosp/backend/_regions.py``): alike blocks outlined into one
+``invoke_subgraph`` before AOTAutograd, and any ``invoke_subgraph`` (a user's
+``torch.compiler.nested_compile_region`` too) inlined into the joint graph autosp plans."""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+
+import cases
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
+
+import autosp
+from autosp.backend._regions import outline_blocks
+from examples.models import Llama, LlamaConfig
+
+
+def _moved(plan) -> Counter:
+    return Counter((c.kind, c.bytes_per_rank, c.backward) for c in plan.collectives)
+
+
+def _explain(model, world: int, L: int, **options):
+    ids = torch.randint(0, 256, (1, L), generator=torch.Generator().manual_seed(0))
+    with autosp.mesh(sp=world):
+        step = autosp.shard(lambda a, b: model(a, b), compiler="aot_eager", **options)
+        return autosp.explain(step, ids, ids)
+
+
+@pytest.mark.parametrize("dynamic", [True, False], ids=["symbolic", "static"])
+def test_blocks_captured_once_plan_as_every_block_traced(fake_world, dynamic):
+    """The example Llama (4 layers, 4 ranks) with its blocks captured once (the default) is planned
+    as with every block traced (``blocks_once=False``): the same collectives, each of the same
+    bytes, and the same checkpointing ladder (rungs, predicted peaks and overheads), and the plan
+    says the 4 blocks were captured once. Would catch a block's copy left with the module stack
+    of the block it was traced at (the checkpointing pass would see one layer where there are
+    four), or an output of a block lost in the outlining."""
+    fake_world(4)
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(heads=4, kv_heads=4, layers=4))
+    once = _explain(model, 4, 96, dynamic=dynamic)
+    torch._dynamo.reset()
+    each = _explain(model, 4, 96, dynamic=dynamic, blocks_once=False)
+    assert _moved(once) == _moved(each) and once.comm_bytes == each.comm_bytes
+    assert str(once.checkpoint) == str(each.checkpoint) and once.memory == each.memory
+    assert [n for n in once.notes if "captured once" in n] == [
+        "4 blocks LlamaBlock (blocks.0, ...) captured once (one subgraph traced for all), then planned as one graph"
+    ], once.notes
+    assert not any("captured once" in n for n in each.notes)
+
+
+def test_a_users_nested_compile_region_is_planned_as_its_unmarked_model(fake_world):
+    """A model whose blocks the user marked with ``torch.compiler.nested_compile_region`` (what
+    PyTorch recommends for compiling a repeated block once) plans as the same model unmarked.
+    Before, AOTAutograd handed autosp's partitioner the region's own joint graph, with no inputs,
+    and the compile failed ("Tracing expected 2 arguments but got 0 concrete arguments")."""
+    fake_world(2)
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(heads=4, kv_heads=4, layers=3))
+    plain = _explain(model, 2, 64)
+    torch._dynamo.reset()
+    for block in model.blocks:
+        block.__class__ = cases.MarkedBlock
+    marked = _explain(model, 2, 64)
+    assert _moved(marked) == _moved(plain) and str(marked.checkpoint) == str(plain.checkpoint)
+
+
+@pytest.mark.parametrize("form", ["outlined", "marked"])
+def test_blocks_captured_once_run_exact_traced_once_on_two_ranks(pools, form):
+    """On 2 gloo ranks, at 64 then 37 tokens (one symbolic compile, uneven shards): the Llama with
+    its blocks captured once by autosp, or marked by the user, gives one device's loss and
+    gradients (1e-5), with Ulysses' collectives and half the matmul FLOPs per rank; AOTAutograd
+    traced the block's joint graph once a compile for its 3 calls."""
+    for r in pools(2).run(cases.region_exactness, form, [64, 37]):
+        for s in r["steps"]:
+            a, b = s["loss"]
+            assert abs(a - b) <= 1e-5 * abs(b), s["loss"]
+            assert max(s["err"].values()) <= 1e-5, s["err"]
+            mine, one = s["flops"]
+            assert mine <= 0.55 * one, s["flops"]
+        assert r["kinds"] == ["all_reduce", "all_to_all"], r["kinds"]
+        # a compile for each (an even and an odd length: the even-shards guard), one trace each
+        assert r["block_traces"] == r["graphs"] == 2, (r["block_traces"], r["graphs"])
+
+
+def _outlined(model: nn.Module, x: torch.Tensor) -> tuple[tuple[str, ...], list[fx.GraphModule], torch.Tensor]:
+    """``model(x)`` compiled (symbolic length) with ``outline_blocks`` on Dynamo's graph, as
+    autosp's backend runs it first: its notes, the graph, and what the rewritten graph computes."""
+    notes, graphs = [], []
+
+    def backend(gm, example_inputs):
+        notes.extend(outline_blocks(gm))
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch._dynamo.mark_dynamic(x, 1)
+    out = torch.compile(model, backend=backend, fullgraph=True)(x)
+    return tuple(notes), graphs, out
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int, form: str, scale: float = 1.0):
+        super().__init__()
+        self.form, self.scale, self.fc, self.norm = form, scale, nn.Linear(dim, dim), nn.LayerNorm(dim)
+
+    def forward(self, x):
+        h = self.fc(self.norm(x))
+        if self.form == "in_place":
+            h.mul_(0.5)
+        elif self.form == "setitem":
+            h[:, 0] = 0.0
+        elif self.form == "dropout":
+            h = F.dropout(h, 0.1, training=True)
+        return x + F.gelu(h) * self.scale
+
+
+class _Mix(nn.Module):
+    """x-transformers' other block kind: layers alternate attention-like and feed-forward ones."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        return x + self.down(F.silu(self.up(x)))
+
+
+class _Stack(nn.Module):
+    def __init__(self, form: str = "plain", scales=(1.0, 1.0, 1.0), order=(0, 1, 2), mixed: bool = False):
+        super().__init__()
+        self.embed = nn.Linear(32, 32)  # every block's input then takes a gradient
+        kinds = [_Block(32, form, s) for s in scales]
+        self.blocks = nn.ModuleList(k for b in kinds for k in ((b, _Mix(32)) if mixed else (b,)))
+        order = [j for i in order for j in ((2 * i, 2 * i + 1) if mixed else (i,))]
+        self.order = order
+
+    def forward(self, x):
+        x = self.embed(x)
+        for i in self.order:
+            x = self.blocks[i](x)
+        return x.sum()
+
+
+def test_alike_blocks_become_one_subgraph_that_computes_what_they_did():
+    """Three alike blocks of Dynamo's graph become three calls of one subgraph (one note), read by
+    index, and the rewritten graph computes what the model does."""
+    torch.manual_seed(0)
+    model, x = _Stack(), torch.randn(2, 24, 32)
+    notes, (gm,), out = _outlined(model, x)
+    calls = gm.graph.find_nodes(op="call_function", target=invoke_subgraph)
+    assert len(calls) == 3 and len({c.args[0].target for c in calls}) == 1, gm.graph
+    assert all(u.target is operator.getitem for c in calls for u in c.users)
+    assert notes == (
+        "3 blocks _Block (blocks.0, ...) captured once (one subgraph traced for all), then planned as one graph",
+    )
+    torch.testing.assert_close(out, model(x))
+
+
+def test_two_kinds_of_alternating_blocks_become_two_subgraphs():
+    """Layers that alternate two kinds of block (x-transformers' attention and feed-forward layers)
+    make two subgraphs, each block's call reading the other kind's call before it. Before, the
+    second kind's subgraph was built from inputs the first kind's outlining had replaced
+    (``KeyError``)."""
+    torch.manual_seed(0)
+    model, x = _Stack(mixed=True), torch.randn(2, 24, 32)
+    notes, (gm,), out = _outlined(model, x)
+    calls = gm.graph.find_nodes(op="call_function", target=invoke_subgraph)
+    assert len(calls) == 6 and len({c.args[1] for c in calls}) == 2, gm.graph
+    assert sorted(n.split(" (")[0] for n in notes) == ["3 blocks _Block", "3 blocks _Mix"], notes
+    torch.testing.assert_close(out, model(x))
+
+
+@pytest.mark.parametrize(
+    "form, kwargs",
+    [
+        ("in_place", {}),  # a block writing to a tensor in place
+        ("setitem", {}),  # ... or by index
+        ("dropout", {}),  # drawing random numbers
+        ("plain", {"scales": (1.0, 0.5, 0.25)}),  # not alike: each its own constant
+        ("plain", {"order": (0, 1, 0)}),  # a block called twice: its ops not contiguous
+    ],
+    ids=["in_place", "setitem", "dropout", "unlike_constants", "called_twice"],
+)
+def test_blocks_that_cannot_share_one_subgraph_are_left_as_traced(form, kwargs):
+    """A block is outlined only where one subgraph for all is sound: none of these is."""
+    torch.manual_seed(0)
+    notes, (gm,), _ = _outlined(_Stack(form, **kwargs), torch.randn(2, 24, 32))
+    assert notes == () and not gm.graph.find_nodes(op="call_function", target=invoke_subgraph)

@@ -50,7 +50,7 @@ from ..partition import (
 from ..propagate import Choice, propagate, solve
 from ._checks import any_rank, check_same_plan, check_same_schedule, largest_peaks, smallest_over_ranks
 from ._plan import Plan, build_plan, timing_line
-from ._regions import inline_regions, is_region_joint, outline_blocks, schema_once
+from ._regions import graph_copy, inline_regions, is_region_joint, outline_blocks, schema_once
 from ._symbolic import guard_budget_lengths, guard_even_shards, hinted, is_symbolic, lengths_note, rank_graph
 from ._unchunk import unchunk
 
@@ -406,6 +406,7 @@ class _Backend:
     def __init__(self, ctx: SpContext, on_plan, on_run):
         self.ctx, self.on_plan, self.on_run = ctx, on_plan, on_run
         self.captured: tuple[str, ...] = ()
+        self.planning = False  # the compile under way reached autosp's passes
         self.planned: Plan | None = None  # the partition's plan, until the forward's compile takes it
         self.clock = _Clock(_with_errors(_compiler(ctx.options.compiler)))
         self.compile_joint = aot_autograd(
@@ -427,6 +428,7 @@ class _Backend:
     def partition(self, joint: fx.GraphModule, joint_inputs, *, num_fwd_outputs, **kwargs):
         if is_region_joint(joint_inputs):  # a repeated block's own: inlined into the step's below
             return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        self.planning = True
         inline_regions(joint)
         c = Compile(joint, joint_inputs, num_fwd_outputs, True, self.ctx.rank, kwargs, captured=self.captured)
         run_passes(TRAINING, c, self.ctx)
@@ -437,6 +439,7 @@ class _Backend:
         """A graph without a backward (the step under ``torch.no_grad()``): ``FORWARD_ONLY``."""
 
         def plan_it(graph, example_inputs):
+            self.planning = True
             inline_regions(graph)
             inputs = [list(example_inputs), []]  # (primals, tangents), as localize reads a joint graph's
             outputs = len(graph.graph.output_node().args[0])
@@ -466,6 +469,23 @@ class _Backend:
     def backend(self, gm: fx.GraphModule, example_inputs):
         """Dynamo's graph of the step: chunked losses as one (``unchunk``), then AOTAutograd."""
         gm, captured = unchunk(gm)
-        self.captured = tuple(captured) + (outline_blocks(gm) if self.ctx.options.blocks_once else ())
-        with schema_once():
-            return self.compile_joint(gm, example_inputs)
+        self.captured = tuple(captured)
+        if self.ctx.options.blocks_once:
+            traced = graph_copy(gm.graph)  # to fall back on
+            notes = outline_blocks(gm)
+            if notes:
+                self.captured += notes
+                self.planning = False
+                try:
+                    with schema_once():
+                        return self.compile_joint(gm, example_inputs)
+                except Exception as e:  # torch's capture of a subgraph, before autosp planned: trace each
+                    if self.planning:
+                        raise
+                    log.warning(
+                        "autosp: capturing alike blocks once failed (%s: %s); tracing every block", type(e).__name__, e
+                    )
+                    self.captured = tuple(captured)
+                    gm.graph = traced
+                    gm.delete_all_unused_submodules()
+        return self.compile_joint(gm, example_inputs)

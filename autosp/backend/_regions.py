@@ -26,16 +26,19 @@ call's (``blocks.1``), so the checkpointing pass sees each layer as its own bloc
 from __future__ import annotations
 
 import contextlib
+import copy
+import inspect
 import operator
 import re
 
 import torch
 import torch.fx as fx
 from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ..partition._checkpoint import _region, _repeated_blocks
 
-__all__ = ["outline_blocks", "inline_regions", "is_region_joint", "schema_once"]
+__all__ = ["outline_blocks", "inline_regions", "is_region_joint", "schema_once", "graph_copy"]
 
 _PREFIX = "autosp_block_"
 
@@ -44,7 +47,11 @@ _CALLS = ("call_function", "call_method")
 _UNSAFE = re.compile(
     r"(?:^|\.)(?:\w*[^_]_|(?:__)?(?:setitem|delitem|i(?:add|sub|mul|truediv|floordiv|and|or|xor|lshift|rshift|pow|mod|matmul))(?:__)?)$"
 )
-_RANDOM = re.compile(r"dropout|rand|bernoulli|normal|multinomial|uniform|exponential|poisson|cauchy|geometric")
+_RANDOM = re.compile(
+    r"dropout|rand|bernoulli|normal(?!ize)|multinomial|uniform|exponential|poisson|cauchy|geometric|rrelu|gumbel"
+)
+# global state set inside a block (grad mode, autocast, the generator): a subgraph would not hold it
+_STATE = re.compile(r"grad_enabled|autocast|manual_seed|rng_state|_set_")
 
 
 def is_region_joint(joint_inputs) -> bool:
@@ -83,7 +90,7 @@ def _sites(gm: fx.GraphModule) -> dict:
 def _inline(gm: fx.GraphModule, call: fx.Node, site: dict | None, attrs: dict) -> None:
     """One ``invoke_subgraph`` call replaced by a copy of its subgraph."""
     sub = getattr(gm, call.args[0].target)
-    env = dict(zip(sub.graph.find_nodes(op="placeholder"), call.args[2:]))
+    env = dict(zip(sub.graph.find_nodes(op="placeholder"), call.args[2:], strict=True))
     graph = gm.graph
     with graph.inserting_before(call):
         for nd in sub.graph.nodes:
@@ -129,7 +136,8 @@ def inline_regions(gm: fx.GraphModule) -> int:
     while calls := gm.graph.find_nodes(op="call_function", target=invoke_subgraph):
         sites = _sites(gm)
         for call in calls:
-            _inline(gm, call, sites.get((call.meta.get("custom") or {}).get("call_id")), attrs)
+            site = sites.get((call.meta.get("custom") or {}).get("call_id")) or call.meta.get("nn_module_stack")
+            _inline(gm, call, site, attrs)
         count += len(calls)
     if count:
         for nd in gm.graph.find_nodes(op="get_attr"):
@@ -151,30 +159,56 @@ def _name(target) -> str:
     return target if isinstance(target, str) else getattr(target, "__name__", None) or str(target)
 
 
-def _draws(nd: fx.Node, name: str) -> bool:
+# positional names of builtins whose signature Python cannot read
+_POSITIONAL = {"scaled_dot_product_attention": ("query", "key", "value", "attn_mask", "dropout_p")}
+
+
+def _bound(nd: fx.Node) -> dict:
+    """The node's arguments by name, where its target's signature names them."""
+    try:
+        return inspect.signature(nd.target).bind_partial(*nd.args, **nd.kwargs).arguments
+    except (TypeError, ValueError):
+        return {**dict(zip(_POSITIONAL.get(_name(nd.target), ()), nd.args)), **nd.kwargs}
+
+
+def _draws(nd: fx.Node, name: str, args: dict) -> bool:
     """Whether the op draws random numbers: a dropout of probability 0 or out of training (HF's
-    ``dropout(x, p=0.0, training=self.training)``) does not."""
+    ``dropout(x, p=0.0, training=self.training)``) does not; attention with ``dropout_p`` does."""
+    if args.get("dropout_p", 0) != 0:
+        return True
     if not _RANDOM.search(name):
         return False
     if "dropout" in name and nd.op == "call_function":
-        p = nd.kwargs.get("p", nd.args[1] if len(nd.args) > 1 else 0.5)
-        training = nd.kwargs.get("training", nd.args[2] if len(nd.args) > 2 else True)
-        return not (p == 0 or training is False)
+        return not (args.get("p", 0.5) == 0 or args.get("training", True) is False)
     return True
 
 
 def _safe(nd: fx.Node) -> bool:
-    """Whether a node of Dynamo's graph can be one of a shared subgraph's."""
+    """Whether a node of Dynamo's graph can be one of a shared subgraph's: a call that writes to
+    no tensor, draws no random number, sets no global state and takes no subgraph."""
     if nd.op not in _CALLS or isinstance(nd.target, torch._ops.HigherOrderOperator):
         return False
-    name = _name(nd.target)
-    return not _UNSAFE.search(name) and not _draws(nd, name) and "out" not in nd.kwargs
+    if isinstance(nd.target, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+        op = nd.target if isinstance(nd.target, torch._ops.OpOverload) else nd.target.default
+        return not op._schema.is_mutable and torch.Tag.nondeterministic_seeded not in op.tags
+    name, args = _name(nd.target), (_bound(nd) if nd.op == "call_function" else dict(nd.kwargs))
+    return not (
+        _UNSAFE.search(name) or _STATE.search(name) or _draws(nd, name, args) or args.get("inplace") or "out" in args
+    )
+
+
+def _takes(v) -> bool:
+    """Whether ``invoke_subgraph`` takes the value as an operand: a tensor, an int or a SymInt
+    (not a float, a bool, a size or None)."""
+    return isinstance(v, torch.Tensor | int | torch.SymInt) and not isinstance(v, bool)
 
 
 def _meta(v) -> object:
-    """What a value is, as a subgraph's input: shape, strides, dtype and grad of a tensor."""
+    """What a value is: shape, strides, dtype, device and grad of a tensor (of each, in a tuple)."""
     if isinstance(v, torch.Tensor):
         return (str(tuple(v.shape)), str(v.stride()), v.dtype, v.device, v.requires_grad)
+    if isinstance(v, tuple | list):
+        return tuple(_meta(x) for x in v)
     return (type(v).__name__, str(v))
 
 
@@ -199,9 +233,11 @@ class _Block:
         ops = tuple(
             (nd.op, nd.target, repr(fx.map_arg(nd.args, token)), repr(fx.map_arg(nd.kwargs, token))) for nd in nodes
         )
+        # every value's meta, not only the inputs': a block run under no_grad or autocast at one
+        # call (set outside it) computes its values otherwise, from alike inputs
         self.key = (
             ops,
-            tuple(_meta(a.meta.get("example_value")) for a in self.inputs),
+            tuple(_meta(a.meta.get("example_value")) for a in (*self.inputs, *nodes)),
             tuple(index[o] for o in self.outputs),
         )
 
@@ -221,7 +257,12 @@ def _blocks(gm: fx.GraphModule) -> list[_Block]:
         if at[-1] - at[0] + 1 != len(at) or not all(_safe(nd) for nd in nodes):
             continue
         block = _Block(fqn, nodes)
-        if block.outputs and all(isinstance(o.meta.get("example_value"), torch.Tensor) for o in block.outputs):
+        if (
+            block.outputs
+            and all(isinstance(o.meta.get("example_value"), torch.Tensor) for o in block.outputs)
+            and all(_takes(a.meta.get("example_value")) for a in block.inputs)
+            and not any(free_unbacked_symbols(nd.meta.get("example_value")) for nd in nodes)
+        ):
             found.append(block)
     return found
 
@@ -238,6 +279,17 @@ def _subgraph(block: _Block, moved: dict) -> fx.GraphModule:
         env[nd] = graph.node_copy(nd, env.__getitem__)
     graph.output(tuple(env[o] for o in block.outputs))
     return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def graph_copy(graph: fx.Graph) -> fx.Graph:
+    """A copy of Dynamo's graph that AOTAutograd reads as Dynamo's: each placeholder with its
+    ``_dynamo_source`` (an attribute of the node, which copies drop; AOTAutograd finds the
+    parameters by it)."""
+    copied = copy.deepcopy(graph)
+    for old, new in zip(graph.find_nodes(op="placeholder"), copied.find_nodes(op="placeholder"), strict=True):
+        if hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source
+    return copied
 
 
 def outline_blocks(gm: fx.GraphModule) -> tuple[str, ...]:
@@ -291,18 +343,25 @@ def schema_once():
     block runs the same ops on inputs of the same shapes (``_Block.key``), and none writes in place
     (``_safe``), so the first call's answer is every call's. A user's own regions are left to
     torch."""
-    made: dict[str, object] = {}
+    made: dict[tuple, object] = {}
+    own = invoke_subgraph.__dict__.get("gen_schema")  # an enclosing schema_once's
     schema = invoke_subgraph.gen_schema
 
     def once(subgraph, identifier, *operands):
         if not (isinstance(identifier, str) and identifier.startswith(_PREFIX)):
             return schema(subgraph, identifier, *operands)
-        if identifier not in made:
-            made[identifier] = schema(subgraph, identifier, *operands)
-        return made[identifier]
+        # one compile's identifiers name one subgraph each; functionalization's calls put an effect
+        # token first: a schema per operand kinds
+        key = (identifier, tuple(type(o).__name__ for o in operands))
+        if key not in made:
+            made[key] = schema(subgraph, identifier, *operands)
+        return made[key]
 
-    invoke_subgraph.gen_schema = once
+    invoke_subgraph.gen_schema = once  # torch.compile is not thread-safe: one compile at a time
     try:
         yield
     finally:
-        del invoke_subgraph.gen_schema  # the class's again
+        if own is None:
+            del invoke_subgraph.gen_schema  # the class's again
+        else:
+            invoke_subgraph.gen_schema = own

@@ -57,6 +57,21 @@ def test_blocks_captured_once_plan_as_every_block_traced(fake_world, dynamic):
     assert not any("captured once" in n for n in each.notes)
 
 
+@pytest.mark.slow
+def test_a_32_layer_model_captured_once_is_planned_as_traced_each(fake_world):
+    """The issue's bar: a 32-layer Llama (8 ranks, symbolic length) planned with its blocks captured
+    once gives the plan of the full trace: the same collectives, bytes and checkpointing ladder."""
+    fake_world(8)
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(dim=64, heads=8, kv_heads=8, layers=32))
+    once = _explain(model, 8, 256)
+    torch._dynamo.reset()
+    each = _explain(model, 8, 256, blocks_once=False)
+    assert any(n.startswith("32 blocks LlamaBlock (blocks.0, ...) captured once") for n in once.notes), once.notes
+    assert _moved(once) == _moved(each) and once.comm_bytes == each.comm_bytes
+    assert str(once.checkpoint) == str(each.checkpoint) and once.memory == each.memory
+
+
 def test_a_failed_capture_of_alike_blocks_falls_back_to_tracing_each(fake_world, monkeypatch):
     """Should torch's capture of the outlined blocks fail (before autosp's passes run), the step is
     captured again with every block traced, with a warning, and planned as it would have been."""

@@ -57,6 +57,29 @@ def test_blocks_captured_once_plan_as_every_block_traced(fake_world, dynamic):
     assert not any("captured once" in n for n in each.notes)
 
 
+def test_flex_attention_blocks_are_captured_once_and_planned_as_traced_each(fake_world):
+    """Blocks holding FlexAttention (a higher-order op with its score and mask functions as
+    subgraphs; torchtitan's default attention) with ALiBi and a causal block mask, 3 layers on 2
+    fake ranks: captured once (each block's functions compared by their code), and planned as
+    with every block traced."""
+    import flex_models
+
+    fake_world(2)
+    torch.manual_seed(0)
+    model = flex_models.FlexLlama(LlamaConfig(heads=4, kv_heads=4, layers=3), score="alibi")
+    ids = torch.randint(0, 256, (1, 64))
+    mask = flex_models.block_mask("causal", 64, block=16)
+    plans = []
+    for once in (True, False):
+        torch._dynamo.reset()
+        with autosp.mesh(sp=2):
+            step = autosp.shard(lambda a, b, c: model(a, b, c), compiler="aot_eager", blocks_once=once)
+            plans.append(autosp.explain(step, ids, ids, mask))
+    once, each = plans
+    assert any(n.startswith("3 blocks LlamaBlock (blocks.0, ...) captured once") for n in once.notes), once.notes
+    assert _moved(once) == _moved(each) and str(once.checkpoint) == str(each.checkpoint)
+
+
 @pytest.mark.slow
 def test_a_32_layer_model_captured_once_is_planned_as_traced_each(fake_world):
     """The issue's bar: a 32-layer Llama (8 ranks, symbolic length) planned with its blocks captured

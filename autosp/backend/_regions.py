@@ -9,7 +9,7 @@ stacks), and where two or more have the same ops on inputs of the same shapes, r
 ``invoke_subgraph`` call of the first one's ops: what ``torch.compiler.nested_compile_region``
 makes, and what a user may have written. A block is left as it is where its ops are not
 contiguous in the graph, write to a tensor in place, draw random numbers, call a module or a
-higher-order op, or return a size.
+higher-order op other than FlexAttention, or return a size.
 
 AOTAutograd traces a region's joint graph once for all its calls, and hands the partitioner the
 step's joint graph with each call an ``invoke_subgraph`` of the region's forward (in the forward)
@@ -159,6 +159,8 @@ def _name(target) -> str:
     return target if isinstance(target, str) else getattr(target, "__name__", None) or str(target)
 
 
+# higher-order ops a shared subgraph may hold (AOTAutograd traces them inside invoke_subgraph)
+_HOPS = (torch.ops.higher_order.flex_attention,)
 # positional names of builtins whose signature Python cannot read
 _POSITIONAL = {"scaled_dot_product_attention": ("query", "key", "value", "attn_mask", "dropout_p")}
 
@@ -186,8 +188,12 @@ def _draws(nd: fx.Node, name: str, args: dict) -> bool:
 def _safe(nd: fx.Node) -> bool:
     """Whether a node of Dynamo's graph can be one of a shared subgraph's: a call that writes to
     no tensor, draws no random number, sets no global state and takes no subgraph."""
-    if nd.op not in _CALLS or isinstance(nd.target, torch._ops.HigherOrderOperator):
+    if nd.op == "get_attr":  # a higher-order op's function (FlexAttention's score and mask)
+        return isinstance(nd.graph.owning_module.get_submodule(nd.target), fx.GraphModule)
+    if nd.op not in _CALLS:
         return False
+    if isinstance(nd.target, torch._ops.HigherOrderOperator):
+        return nd.target in _HOPS
     if isinstance(nd.target, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
         op = nd.target if isinstance(nd.target, torch._ops.OpOverload) else nd.target.default
         return not op._schema.is_mutable and torch.Tag.nondeterministic_seeded not in op.tags
@@ -230,8 +236,13 @@ class _Block:
         def token(a):
             return index[a] if isinstance(a, fx.Node) else repr(a)
 
+        def op(nd):  # a function's graph by its code: each block holds its own copy, named apart
+            if nd.op == "get_attr":
+                return nd.graph.owning_module.get_submodule(nd.target).code
+            return nd.target
+
         ops = tuple(
-            (nd.op, nd.target, repr(fx.map_arg(nd.args, token)), repr(fx.map_arg(nd.kwargs, token))) for nd in nodes
+            (nd.op, op(nd), repr(fx.map_arg(nd.args, token)), repr(fx.map_arg(nd.kwargs, token))) for nd in nodes
         )
         # every value's meta, not only the inputs': a block run under no_grad or autocast at one
         # call (set outside it) computes its values otherwise, from alike inputs
@@ -278,7 +289,10 @@ def _subgraph(block: _Block, moved: dict) -> fx.GraphModule:
     for nd in block.nodes:
         env[nd] = graph.node_copy(nd, env.__getitem__)
     graph.output(tuple(env[o] for o in block.outputs))
-    return fx.GraphModule(torch.nn.Module(), graph)
+    owner = block.nodes[0].graph.owning_module
+    return fx.GraphModule(
+        {nd.target: owner.get_submodule(nd.target) for nd in block.nodes if nd.op == "get_attr"}, graph
+    )
 
 
 def graph_copy(graph: fx.Graph) -> fx.Graph:

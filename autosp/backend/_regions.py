@@ -106,6 +106,10 @@ def _inline(gm: fx.GraphModule, call: fx.Node, site: dict | None, attrs: dict) -
                     value = getattr(sub, nd.target)
                     if isinstance(value, torch.nn.Module):
                         gm.register_module(attrs[key], value)
+                    elif isinstance(value, torch.nn.Parameter):
+                        gm.register_parameter(attrs[key], value)
+                    elif isinstance(value, torch.Tensor):  # a constant the region lifted
+                        gm.register_buffer(attrs[key], value, persistent=False)
                     else:
                         setattr(gm, attrs[key], value)
                 env[nd] = graph.get_attr(attrs[key])

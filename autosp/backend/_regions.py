@@ -2,9 +2,10 @@
 subgraph (``outline_blocks``), and the ``invoke_subgraph`` calls in the graphs AOTAutograd then
 hands the backend made one flat graph again (``inline_regions``).
 
-Tracing the step's joint graph is most of a compile's capture, and it grows with depth: 14 of
-18 s at 32 layers with a symbolic length (``benchmarks/compile_time.py``; Dynamo's own trace,
-3.7 s). ``outline_blocks`` finds the blocks as the checkpointing pass does (from the module
+Tracing the step's joint graph is most of a compile's capture, and it grows with depth: with every
+block traced, the capture of 32 layers took 18.7 s (sp 8, symbolic; ``benchmarks/compile_time.py
+--kinds symbolic-each``), where a Dynamo-only compile of the same model takes 3.7 s.
+``outline_blocks`` finds the blocks as the checkpointing pass does (from the module
 stacks), and where two or more have the same ops on inputs of the same shapes, replaces each by an
 ``invoke_subgraph`` call of the first one's ops: what ``torch.compiler.nested_compile_region``
 makes, and what a user may have written. A block is left as it is where its ops are not

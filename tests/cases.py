@@ -23,14 +23,16 @@ MODELS = {
     "llama_6h": lambda: Llama(LlamaConfig(dim=96, heads=6, kv_heads=2)),  # 6 heads: uneven over 4
     "llama_6h_manual": lambda: Llama(LlamaConfig(dim=96, heads=6, kv_heads=3, attn="manual")),
     "llama_gqa": lambda: Llama(LlamaConfig(attn="gqa")),  # 4 query / 2 K/V heads inside SDPA (enable_gqa)
+    "llama_vocab": lambda: Llama(LlamaConfig(vocab=2048)),  # logits 32 times the width: more tiles than the layers
     "gpt": lambda: GPT(GPTConfig()),
+    "gpt_vocab": lambda: GPT(GPTConfig(vocab=2048)),  # tied logits 32 times the width
 }
 
 
 def batch(kind: str, b: int, L: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 256, (b, L), generator=g)
-    if kind == "gpt":  # GPT takes labels already shifted; -1 is ignored
+    if kind.startswith("gpt"):  # GPT takes labels already shifted; -1 is ignored
         labels = torch.cat([ids[:, 1:], torch.full((b, 1), -1)], dim=1)
     else:
         labels = torch.randint(0, 256, (b, L), generator=g)

@@ -3,6 +3,7 @@ every setting, no collective recomputed, budgets kept, predictions against measu
 ``autosp plan`` extrapolation against a full trace."""
 
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -70,6 +71,62 @@ def test_sequence_tiling_matches_single_device(pools, kind, b, L):
         none = pools(2).run(cases.comm, kind, b, L, "none")[0]["autosp"]
         tiled = pools(2).run(cases.tiled, cases.comm, kind, b, L, "full")[0]["autosp"]
         assert Counter(none) == Counter(tiled)
+
+
+@pytest.mark.parametrize(
+    "kind,compiler", tier([("llama_vocab", "inductor"), ("gpt_vocab", "aot_eager")], [("gpt_vocab", "aot_eager")])
+)
+def test_tiles_sized_by_memory_match_single_device(pools, kind, compiler):
+    """Tiles sized by memory (``_tiling._caps``): with a vocabulary 32 times the width, the logits
+    and loss run in more tiles than the layers (forced from 2 rows a tile, 32 rows per rank: the
+    layers in 8, the last layer's MLP with the logits and loss in 16; GPT's tied embedding's
+    backward too, whose gradient adds up with the logits'), and the step is still one device's:
+    Llama under the defaults (Inductor, symbolic lengths, fp32, 1e-5; it computes its loss in
+    fp32 by ``.float()``, so an fp64 run's loss is fp32's), running the untiled step's
+    collectives (gloo's own events); GPT in fp64 to 1e-10 over 2 AdamW steps."""
+    dtype, tol = (torch.float32, 1e-5) if compiler == "inductor" else (torch.float64, 1e-10)
+    args = (kind, 1, 64, 2, compiler, dtype, "cpu", "full", "auto", None, False, compiler == "inductor")
+    for r in pools(2).run(functools.partial(cases.tiled, min_rows=2), cases.exactness, *args):
+        loss, loss_ref = r["loss"]
+        assert abs(loss - loss_ref) <= tol * abs(loss_ref)
+        assert max(r["grad_err"].values()) <= tol
+        assert dtype != torch.float64 or r["param_err"] <= tol  # fp32 trajectories: judged in fp64
+        assert r["checkpoint"] == "full + loss, 8-16 tiles", r["checkpoint"]
+    if kind.startswith("llama"):  # cases.comm also runs hand-written Ulysses, written for Llama
+        none = pools(2).run(cases.comm, kind, 1, 64, "none")[0]["autosp"]
+        tiled = pools(2).run(functools.partial(cases.tiled, min_rows=2), cases.comm, kind, 1, 64, "full")[0]["autosp"]
+        assert Counter(none) == Counter(tiled)
+
+
+def test_tiles_sized_by_memory_cut_the_logits_transient(fake_world):
+    """The logits' group of ops, 16 times the width per row, runs in 16 tiles where the layers
+    stop at 8 (1024 rows per rank, from 16 rows a tile): "full + loss"'s predicted peak falls
+    against the same plan with every group capped at 8 (``MOST_TILES``; 5.81 -> 5.09 MiB when
+    measured), and the untiled "full" is unchanged."""
+    from autosp.partition import _tiling
+
+    fake_world(2)
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab=1024))
+    ids = torch.randint(0, 256, (1, 2048))
+
+    def rungs():
+        torch._dynamo.reset()
+        with autosp.mesh(sp=2):
+            step = autosp.shard(lambda a, b: model(a, b), compiler="aot_eager", dynamic=False, every_rung=True)
+            return {
+                r.name: r.memory.peak for r in cases.tiled(autosp.explain, step, ids, ids, min_rows=16).checkpoint.rungs
+            }
+
+    sized = rungs()
+    keep, _tiling.MOST_TILES = _tiling.MOST_TILES, 8
+    try:
+        capped = rungs()
+    finally:
+        _tiling.MOST_TILES = keep
+    # at least the 64 rows of logits and of their gradient a tile no longer holds (measured: 2.75x that)
+    assert capped["full + loss, 8 tiles"] - sized["full + loss, 8-16 tiles"] >= 2 * 64 * 1024 * 4, (sized, capped)
+    assert {k: v for k, v in sized.items() if "tiles" not in k} == {k: v for k, v in capped.items() if "tiles" not in k}
 
 
 @pytest.mark.parametrize("compiler,tiled", tier([("inductor", False), ("aot_eager", True)], [("inductor", False)]))

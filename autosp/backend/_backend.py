@@ -280,7 +280,7 @@ def _checkpoint(c: Compile, ctx: SpContext) -> None:
             largest=largest_peaks(ctx),
             smallest=smallest_over_ranks(ctx) if symbolic else None,
             tiled=functools.partial(per_rank_graph, c, ctx, tiled=True) if c.tiling is not None else None,
-            tiles=c.tiling.count if c.tiling is not None else 1,
+            tiles=c.tiling.counts if c.tiling is not None else (1, 1),
             offload=ctx.options.offload,
             balance=Balance.of(ctx.options.device),
             **c.kwargs,

@@ -121,22 +121,26 @@ class RungSpec:
     most ``threshold`` flop-equivalents per byte kept ("threshold"), every layer op but attention
     and collectives ("full"), or every one ("layers": whole layers, from their inputs), with
     ``loss`` also the ops after the last layer; on a graph tiled in ``tiles`` along the
-    sequence (1: untiled)."""
+    sequence (1: untiled; the most tiles of a group of ops, with ``fewest`` the fewest where
+    groups differ, ``_tiling._caps``)."""
 
     kind: str
     threshold: float | None = None
     loss: bool = False
     tiles: int = 1
+    fewest: int = 0
     offload: bool = False  # the layers' saved activations in host memory (``_offload``)
 
     @property
     def name(self) -> str:
-        """'none', 'recompute <= 16 flop/B', 'full', 'whole layers + loss, 8 tiles, offloaded'."""
+        """'none', 'recompute <= 16 flop/B', 'full', 'whole layers + loss, 8 tiles, offloaded',
+        'full + loss, 8-64 tiles'."""
         if self.kind == "threshold":
             base = f"recompute <= {self.threshold:.3g} flop/B"
         else:
             base = ("whole layers" if self.kind == "layers" else self.kind) + (" + loss" if self.loss else "")
-        return base + (f", {self.tiles} tiles" if self.tiles > 1 else "") + (", offloaded" if self.offload else "")
+        counts = f"{self.fewest}-{self.tiles}" if 0 < self.fewest < self.tiles else str(self.tiles)
+        return base + (f", {counts} tiles" if self.tiles > 1 else "") + (", offloaded" if self.offload else "")
 
     @property
     def key(self) -> tuple:
@@ -457,15 +461,17 @@ def _attention_merges(fwd: dict[fx.Node, str], kinds: dict[fx.Node, str]) -> set
 
 
 def _layer_tags(
-    gm: fx.GraphModule, cost: dict[str, float], tiles: int
+    gm: fx.GraphModule, cost: dict[str, float], tiles: tuple[int, int]
 ) -> tuple[list[tuple[RungSpec, Tags]], dict[str, int]]:
     """The rungs (what each recomputes, and its tags) and the region of each tagged op. On a tiled
-    graph (``tiles`` > 1) the ladder also has "full + loss": "full" and the ops after the last layer
-    (``_head_ops``); untiled, the recomputed logits would come back whole."""
+    graph (``tiles``: its groups' fewest and most, > 1) the ladder also has "full + loss": "full"
+    and the ops after the last layer (``_head_ops``); untiled, the recomputed logits would come back whole."""
     fwd = _forward_ops(gm)
     region_ids = {r: i for i, r in enumerate(dict.fromkeys(fwd.values()))}
     regions = {nd.name: region_ids[r] for nd, r in fwd.items()}
-    head = _head_ops(gm, fwd) if tiles > 1 else []
+    fewest, most = tiles
+    counts = {"tiles": most, "fewest": fewest} if most > 1 else {}
+    head = _head_ops(gm, fwd) if most > 1 else []
     regions.update({nd.name: len(region_ids) for nd in head})
     kinds = {nd: _kind(nd) for nd in [*fwd, *head]}
 
@@ -494,24 +500,24 @@ def _layer_tags(
             **views,
             **{name: CheckpointPolicy.PREFER_RECOMPUTE for name, r in per_byte.items() if float(f"{r:.2g}") <= t},
         }
-        rungs.append((RungSpec("threshold", t, tiles=tiles), with_getitems(tags)))
+        rungs.append((RungSpec("threshold", t, **counts), with_getitems(tags)))
     if not fwd:
         return rungs, regions
     full = {**{nd.name: CheckpointPolicy.PREFER_RECOMPUTE for nd in fwd if kinds[nd] in ("compute", "view")}, **keep}
-    rungs.append((RungSpec("full", tiles=tiles), with_getitems(full)))
+    rungs.append((RungSpec("full", **counts), with_getitems(full)))
     head_tags = {
         nd.name: CheckpointPolicy.PREFER_RECOMPUTE if kinds[nd] in ("compute", "view") else CheckpointPolicy.MUST_SAVE
         for nd in head
         if kinds[nd] != "getitem"
     }
     if head_tags:
-        rungs.append((RungSpec("full", loss=True, tiles=tiles), with_getitems({**full, **head_tags})))
+        rungs.append((RungSpec("full", loss=True, **counts), with_getitems({**full, **head_tags})))
     # whole layers: attention and collectives recomputed too (random ops kept: their draws)
     random = {nd.name: CheckpointPolicy.MUST_SAVE for nd in fwd if kinds[nd] == "random"}
     whole = {**{nd.name: CheckpointPolicy.PREFER_RECOMPUTE for nd in fwd if kinds[nd] != "getitem"}, **random}
-    rungs.append((RungSpec("layers", tiles=tiles), with_getitems(whole)))
+    rungs.append((RungSpec("layers", **counts), with_getitems(whole)))
     if head_tags:
-        rungs.append((RungSpec("layers", loss=True, tiles=tiles), with_getitems({**whole, **head_tags})))
+        rungs.append((RungSpec("layers", loss=True, **counts), with_getitems({**whole, **head_tags})))
     return rungs, regions
 
 
@@ -534,7 +540,7 @@ class _Ladder:
     def of(
         cls,
         gm: fx.GraphModule,
-        tiles: int = 1,
+        tiles: tuple[int, int] = (1, 1),
         longer: tuple[int, Callable] | None = None,
         balance: float = MACHINE_BALANCE,
     ) -> _Ladder:
@@ -990,7 +996,9 @@ def _climb(ladder: _Ladder, rungs, partition: _Partitioner, policy, every_rung: 
     return results, settled
 
 
-def _beyond(ladder: _Ladder, partition: _Partitioner, tiled, tiles: int, longer, every_rung: bool, offload: bool):
+def _beyond(
+    ladder: _Ladder, partition: _Partitioner, tiled, tiles: tuple[int, int], longer, every_rung: bool, offload: bool
+):
     """The rungs past the untiled "full", partitioned, in the order a budget takes them: the tiled
     "full" ones, the offloaded twins of all "full" ones (``offload``), then (budgets and
     ``every_rung``: they send their collectives again) the "whole layers" ones, untiled and tiled,
@@ -1019,7 +1027,7 @@ def checkpoint_partition(
     largest=None,
     smallest=None,
     tiled: Callable[[], fx.GraphModule] | None = None,
-    tiles: int = 1,
+    tiles: tuple[int, int] = (1, 1),
     offload: bool = False,
     balance: Balance = Balance(),
     **kwargs,
@@ -1030,7 +1038,8 @@ def checkpoint_partition(
     holds each against ``largest(peaks)``, the peaks of the rank that needs most: ranks with
     uneven shards (or K/V-gathered attention, whose first rank runs one block fewer) predict
     different peaks, and every rank must take the same decision, or raise the same error.
-    ``tiled``: makes the same graph tiled in ``tiles`` along the sequence (``_tiling``); its "full"
+    ``tiled``: makes the same graph tiled along the sequence (``_tiling``; ``tiles``: its groups'
+    fewest and most tiles); its "full"
     and "full + loss" rungs follow the ladder, evaluated when the policy may want less memory than
     the untiled "full" gives, then (budgets and ``every_rung``) the "whole layers" rungs, untiled
     and tiled. ``smallest``, on a symbolic length: per rung, the least of a value

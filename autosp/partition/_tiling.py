@@ -21,6 +21,7 @@ sequence), ops with a size argument the tiler does not rewrite, and multi-output
 
 from __future__ import annotations
 
+import math
 import operator
 from collections import Counter
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from .._context import SpContext
 from .._graph import hint, is_attention, out_vals, tensor_inputs
 from ..propagate._placement import P, chunks, local_shape, redistribute_kind, shard_spec
 
-__all__ = ["Tiling", "TileGuard", "TileRunner", "plan_tiles", "MIN_TILE_ROWS", "MAX_TILES", "SHAPE_ARG"]
+__all__ = ["Tiling", "TileGuard", "TileRunner", "plan_tiles", "MIN_TILE_ROWS", "MAX_TILES", "MOST_TILES", "SHAPE_ARG"]
 
 aten = torch.ops.aten
 
@@ -40,7 +41,12 @@ aten = torch.ops.aten
 # over 2, aot_eager, separate runs: 8 tiles of 512 rows ran 3.09 s a step, 4 tiles of 1024 3.11 s; not measured on
 # a GPU, where small tiles waste more of a kernel)
 MIN_TILE_ROWS = 512
-MAX_TILES = 8  # each tiled op appears once per tile in the graph: compile time grows with it
+# a group's tile count is capped at MAX_TILES, or where a tile's largest output would exceed one
+# hidden state of the rank's rows (the logits' vocabulary-wide rows), at the power of two that
+# brings it to that size, up to MOST_TILES: each tiled op appears once per tile in the graph, so
+# compile time grows with the count (``_caps``)
+MAX_TILES = 8
+MOST_TILES = 256
 
 # ops whose argument 1 is an output (or input) shape, rewritten per tile; argument 2 of the
 # *_backward ops is the sliced dim, which must not be the tiled one
@@ -59,18 +65,27 @@ _SIZE_NAMES = {"size", "sizes", "shape", "stride", "input_size", "input_sizes", 
 @dataclass(frozen=True)
 class Tiling:
     """The tiled ops (``nodes``, in graph order), each one's tiled dim (None for ``Partial``
-    outputs: summed over the tiles), and the tile lengths along this rank's local sequence."""
+    outputs: summed over the tiles), the group each runs in (``groups``: ``_groups``), and each
+    group's tile lengths along this rank's local sequence (``sizes``)."""
 
     nodes: dict[fx.Node, int | None]
-    sizes: tuple[int, ...]
+    groups: dict[fx.Node, int]
+    sizes: tuple[tuple[int, ...], ...]
 
     @property
     def count(self) -> int:
-        return len(self.sizes)
+        """The most tiles of any group."""
+        return max(len(s) for s in self.sizes)
 
     @property
-    def starts(self) -> tuple[int, ...]:
-        return tuple(sum(self.sizes[:j]) for j in range(len(self.sizes)))
+    def counts(self) -> tuple[int, int]:
+        """The fewest and the most tiles of a group."""
+        return min(len(s) for s in self.sizes), self.count
+
+    def tiles(self, nd: fx.Node) -> list[tuple[int, object]]:
+        """(start, rows) of each tile of ``nd``'s group."""
+        sizes = self.sizes[self.groups[nd]]
+        return [(sum(sizes[:j]), rows) for j, rows in enumerate(sizes)]
 
 
 def _seq_dim(p, shape, n: int, rank: int) -> tuple[int, int] | None:
@@ -185,10 +200,8 @@ def plan_tiles(
         first = next(nd for nd, length in lengths.items() if length == seq)
         seq = next(v for v in out_vals(symbolic[first]) if v is not None).shape[cand[first]]
     longest = chunks(seq, n)[0]  # the first rank's share
-    cap, tiles = tiles, _tile_count(hint(longest), tiles, symbolic is not None)
-    guard = None if symbolic is None else TileGuard(longest, tiles, cap)
-    if tiles < 2:
-        return None, guard
+    if _tile_count(hint(longest), tiles, symbolic is not None) < 2:
+        return None, None if symbolic is None else TileGuard(longest, 1, tiles)
     rows = chunks(seq, n)[rank]
     nodes = {nd: d for nd, d in cand.items() if d is None or lengths[nd] == hint(seq)}
 
@@ -216,9 +229,75 @@ def plan_tiles(
                 changed = True
     if not any(d is not None for d in nodes.values()):
         return None, None
+    groups = _groups(graph, nodes)
+    caps = _caps(nodes, groups, tiles)
+    # each group's count from the first rank's share; with a symbolic length, powers of two under
+    # powers-of-two caps, so the guard on the largest cap's count fixes every group's
+    counts = [_tile_count(hint(longest), cap, symbolic is not None) for cap in caps]
+    guard = None if symbolic is None else TileGuard(longest, max(counts), max(caps))
     if symbolic is not None:
         nodes = {symbolic[nd]: d for nd, d in nodes.items()}
-    return Tiling(nodes, _tile_sizes(rows, tiles)), guard
+        groups = {symbolic[nd]: g for nd, g in groups.items()}
+    return Tiling(nodes, groups, tuple(_tile_sizes(rows, t) for t in counts)), guard
+
+
+def _groups(graph: fx.Graph, nodes: dict[fx.Node, int | None]) -> dict[fx.Node, int]:
+    """Each tiled op's group: the ops ``TileRunner`` runs together (those waiting when an untiled
+    op, or the output, reads one of them), joined where one group's partial sum is read by
+    another's (the tiles' partial results add up tile by tile: both run in the same tiles).
+    Numbered in graph order."""
+    flushes: list[list[fx.Node]] = []
+    waiting: list[fx.Node] = []
+    run: set[fx.Node] = set()
+    for nd in graph.nodes:
+        if nd in nodes:
+            waiting.append(nd)
+        elif waiting and (nd.op == "output" or any(u in nodes and u not in run for u in nd.all_input_nodes)):
+            flushes.append(waiting)
+            run.update(waiting)
+            waiting = []
+    flushes += [waiting] if waiting else []
+    first = {nd: i for i, group in enumerate(flushes) for nd in group}
+    root = list(range(len(flushes)))
+
+    def find(i: int) -> int:
+        while root[i] != i:
+            root[i] = root[root[i]]
+            i = root[i]
+        return i
+
+    for nd in nodes:
+        for u in nd.all_input_nodes:
+            if u in nodes and nodes[u] is None:
+                root[find(first[u])] = find(first[nd])
+    ids: dict[int, int] = {}
+    return {nd: ids.setdefault(find(first[nd]), len(ids)) for nd in nodes}
+
+
+def _row_bytes(v: torch.Tensor, d: int) -> int:
+    """Bytes of one row of ``v`` along dim ``d``."""
+    shape = hint(tuple(v.shape))
+    return (math.prod(shape) // max(shape[d], 1)) * v.dtype.itemsize
+
+
+def _caps(nodes: dict[fx.Node, int | None], groups: dict[fx.Node, int], tiles: int) -> list[int]:
+    """Each group's cap on its tile count: ``tiles``, or where a tile of that many would still
+    hold an output larger per row than a hidden state (the tiled outputs' most common row size),
+    the power of two that brings the group's largest output to a hidden state's size over the
+    rank's rows (at most ``MOST_TILES``): the logits' vocabulary-wide rows against the model's
+    width. A tile's transient is then about one hidden state whatever the vocabulary, as ALST
+    sizes its tiled loss by hand (its tiled MLP by the width: tiles of the width's rows)."""
+    rows = {nd: _row_bytes(v, d) for nd, d in nodes.items() if d is not None for v in out_vals(nd) if v is not None}
+    counted = Counter(rows.values())
+    hidden = max(counted, key=lambda b: (counted[b], b))
+    largest: dict[int, int] = {}
+    for nd, b in rows.items():
+        largest[groups[nd]] = max(largest.get(groups[nd], 0), b)
+    caps = []
+    for g in range(max(groups.values()) + 1):
+        ratio = max(1, -(-largest.get(g, 0) // hidden))
+        caps.append(min(MOST_TILES, max(tiles, 1 << (ratio - 1).bit_length())))
+    return caps
 
 
 def _item(v, u: fx.Node, i: int):
@@ -229,7 +308,8 @@ def _item(v, u: fx.Node, i: int):
 class TileRunner:
     """Runs a tiling's ops for a per-rank interpreter (``partition._localize.Localizer``): each
     tiled op waits (``defers``) until an untiled op (or the output) reads one of the waiting ops;
-    then the waiting ops run one tile through all of them, then the next. A tiled op read untiled
+    then the waiting ops run one tile through all of them, then the next (each group in its own
+    tiles, ``Tiling.sizes``). A tiled op read untiled
     is its tiles joined along the sequence (``joined``); a partial sum read untiled (a weight
     gradient, the loss) is added up as the tiles go."""
 
@@ -258,13 +338,21 @@ class TileRunner:
         return torch.cat(v, d)
 
     def _run(self, ops: list[fx.Node]) -> None:
-        interp, tiled = self.interp, self.tiling.nodes
+        """The waiting ops, group by group (``Tiling.groups``), each in its group's tiles."""
+        groups = self.tiling.groups
+        for g in dict.fromkeys(groups[nd] for nd in ops):
+            self._run_group([nd for nd in ops if groups[nd] == g])
+
+    def _run_group(self, ops: list[fx.Node]) -> None:
+        interp, tiled, groups, sizes = self.interp, self.tiling.nodes, self.tiling.groups, self.tiling.sizes
+        count = len(sizes[groups[ops[0]]])
         summed = {nd for nd in ops if tiled[nd] is None and any(u not in tiled for u in nd.users)}
         sliced: dict[tuple, torch.Tensor] = {}
-        for j, (start, rows) in enumerate(zip(self.tiling.starts, self.tiling.sizes)):
+        for j, (start, rows) in enumerate(self.tiling.tiles(ops[0])):
 
             def tile(u: fx.Node, i: int, q, j=j, start=start, rows=rows) -> torch.Tensor:
-                if u in tiled:
+                # another group's tiles, if as many (a group of another count: joined, then sliced)
+                if u in tiled and len(sizes[groups[u]]) == count:
                     return _item(self.parts[u][j], u, i)
                 spec = shard_spec(q)
                 if spec is None:

@@ -65,27 +65,40 @@ _SIZE_NAMES = {"size", "sizes", "shape", "stride", "input_size", "input_sizes", 
 @dataclass(frozen=True)
 class Tiling:
     """The tiled ops (``nodes``, in graph order), each one's tiled dim (None for ``Partial``
-    outputs: summed over the tiles), the group each runs in (``groups``: ``_groups``), and each
-    group's tile lengths along this rank's local sequence (``sizes``)."""
+    outputs: summed over the tiles), the group each runs in (``groups``: ``_groups``), the
+    coarsest tiles' lengths along this rank's local sequence (``base``), and how many tiles each
+    group cuts each of those into (``splits``): a group's tiles nest in the coarsest, so a group
+    reads another group's tiles without joining more than one coarse tile."""
 
     nodes: dict[fx.Node, int | None]
     groups: dict[fx.Node, int]
-    sizes: tuple[tuple[int, ...], ...]
+    base: tuple
+    splits: tuple[int, ...]
 
     @property
     def count(self) -> int:
         """The most tiles of any group."""
-        return max(len(s) for s in self.sizes)
+        return len(self.base) * max(self.splits)
 
     @property
     def counts(self) -> tuple[int, int]:
         """The fewest and the most tiles of a group."""
-        return min(len(s) for s in self.sizes), self.count
+        return len(self.base) * min(self.splits), self.count
 
-    def tiles(self, nd: fx.Node) -> list[tuple[int, object]]:
-        """(start, rows) of each tile of ``nd``'s group."""
-        sizes = self.sizes[self.groups[nd]]
-        return [(sum(sizes[:j]), rows) for j, rows in enumerate(sizes)]
+    def split(self, nd: fx.Node) -> int:
+        """How many tiles ``nd``'s group cuts each coarse tile into."""
+        return self.splits[self.groups[nd]]
+
+    def tiles(self, nd: fx.Node) -> list[tuple[int, object, int, object]]:
+        """Each tile of ``nd``'s group: (start, rows, its coarse tile, its offset in it)."""
+        out, start = [], 0
+        for b, coarse in enumerate(self.base):
+            offset = 0
+            for rows in _tile_sizes(coarse, self.split(nd)):
+                out.append((start + offset, rows, b, offset))
+                offset = offset + rows
+            start = start + coarse
+        return out
 
 
 def _seq_dim(p, shape, n: int, rank: int) -> tuple[int, int] | None:
@@ -232,13 +245,15 @@ def plan_tiles(
     groups = _groups(graph, nodes)
     caps = _caps(nodes, groups, tiles)
     # each group's count from the first rank's share; with a symbolic length, powers of two under
-    # powers-of-two caps, so the guard on the largest cap's count fixes every group's
+    # powers-of-two caps, so the guard on the largest cap's count fixes every group's. Each is
+    # a multiple of the fewest: a group's tiles cut the coarsest tiles further
     counts = [_tile_count(hint(longest), cap, symbolic is not None) for cap in caps]
     guard = None if symbolic is None else TileGuard(longest, max(counts), max(caps))
+    fewest = min(counts)
     if symbolic is not None:
         nodes = {symbolic[nd]: d for nd, d in nodes.items()}
         groups = {symbolic[nd]: g for nd, g in groups.items()}
-    return Tiling(nodes, groups, tuple(_tile_sizes(rows, t) for t in counts)), guard
+    return Tiling(nodes, groups, _tile_sizes(rows, fewest), tuple(c // fewest for c in counts)), guard
 
 
 def _groups(graph: fx.Graph, nodes: dict[fx.Node, int | None]) -> dict[fx.Node, int]:
@@ -344,16 +359,23 @@ class TileRunner:
             self._run_group([nd for nd in ops if groups[nd] == g])
 
     def _run_group(self, ops: list[fx.Node]) -> None:
-        interp, tiled, groups, sizes = self.interp, self.tiling.nodes, self.tiling.groups, self.tiling.sizes
-        count = len(sizes[groups[ops[0]]])
+        interp, tiling, tiled = self.interp, self.tiling, self.tiling.nodes
+        split = tiling.split(ops[0])
         summed = {nd for nd in ops if tiled[nd] is None and any(u not in tiled for u in nd.users)}
         sliced: dict[tuple, torch.Tensor] = {}
-        for j, (start, rows) in enumerate(self.tiling.tiles(ops[0])):
+        coarse: dict[tuple, torch.Tensor] = {}  # another group's tiles joined into a coarse tile
+        for j, (start, rows, b, offset) in enumerate(tiling.tiles(ops[0])):
 
-            def tile(u: fx.Node, i: int, q, j=j, start=start, rows=rows) -> torch.Tensor:
-                # another group's tiles, if as many (a group of another count: joined, then sliced)
-                if u in tiled and len(sizes[groups[u]]) == count:
-                    return _item(self.parts[u][j], u, i)
+            def tile(u: fx.Node, i: int, q, j=j, start=start, rows=rows, b=b, offset=offset) -> torch.Tensor:
+                if u in tiled:
+                    theirs = tiling.split(u)
+                    if theirs == split:
+                        return _item(self.parts[u][j], u, i)
+                    # another group's, cut otherwise: its coarse tile (joined where it cut it), then this tile of it
+                    if (u, i, b) not in coarse:
+                        pieces = [_item(t, u, i) for t in self.parts[u][b * theirs : (b + 1) * theirs]]
+                        coarse[u, i, b] = pieces[0] if theirs == 1 else torch.cat(pieces, tiled[u])
+                    return coarse[u, i, b] if split == 1 else coarse[u, i, b].narrow(tiled[u], offset, rows)
                 spec = shard_spec(q)
                 if spec is None:
                     return interp.value(u, i)

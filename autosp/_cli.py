@@ -682,13 +682,17 @@ def main(argv=None) -> int:
     kernels = sorted(
         {
             note.split(": ")[-1].split(",")[0].split(" (")[0]
-            for note in fit.plans[(1, base)].notes
+            for note in fit.plans[(fit.LAYERS[0], base)].notes
             if note.startswith("attention at")
         }
     )
     attention = "; ".join(kernels) if kernels else "Ulysses, heads split evenly"
     attention = "whole (an sp group of one rank)" if args.sp == 1 else attention
-    gpu = [n.split(": ", 1)[1].split(" (")[0] for n in fit.plans[(1, base)].notes if n.startswith("attention kernel:")]
+    gpu = [
+        n.split(": ", 1)[1].split(" (")[0]
+        for n in fit.plans[(fit.LAYERS[0], base)].notes
+        if n.startswith("attention kernel:")
+    ]
     attention = f"{', '.join(gpu)} kernel: {attention}" if gpu else attention
     say(f"attention ({args.attention}): {attention}")
 

@@ -66,39 +66,38 @@ _SIZE_NAMES = {"size", "sizes", "shape", "stride", "input_size", "input_sizes", 
 class Tiling:
     """The tiled ops (``nodes``, in graph order), each one's tiled dim (None for ``Partial``
     outputs: summed over the tiles), the group each runs in (``groups``: ``_groups``), the
-    coarsest tiles' lengths along this rank's local sequence (``base``), and how many tiles each
-    group cuts each of those into (``splits``): a group's tiles nest in the coarsest, so a group
-    reads another group's tiles without joining more than one coarse tile."""
+    finest tiles' lengths along this rank's local sequence (``fine``), and how many fine tiles
+    make one tile of each group (``spans``, each dividing the others' or divided by them): a
+    group reads another group's tiles as a slice of one of them or a join of a few, never the
+    whole value. Where every group has as many tiles, the fine tiles are the tiles."""
 
     nodes: dict[fx.Node, int | None]
     groups: dict[fx.Node, int]
-    base: tuple
-    splits: tuple[int, ...]
+    fine: tuple
+    spans: tuple[int, ...]
 
     @property
     def count(self) -> int:
         """The most tiles of any group."""
-        return len(self.base) * max(self.splits)
+        return len(self.fine) // min(self.spans)
 
     @property
     def counts(self) -> tuple[int, int]:
         """The fewest and the most tiles of a group."""
-        return len(self.base) * min(self.splits), self.count
+        return len(self.fine) // max(self.spans), self.count
 
-    def split(self, nd: fx.Node) -> int:
-        """How many tiles ``nd``'s group cuts each coarse tile into."""
-        return self.splits[self.groups[nd]]
+    def span(self, nd: fx.Node) -> int:
+        """How many fine tiles make one tile of ``nd``'s group."""
+        return self.spans[self.groups[nd]]
 
-    def tiles(self, nd: fx.Node) -> list[tuple[int, object, int, object]]:
-        """Each tile of ``nd``'s group: (start, rows, its coarse tile, its offset in it)."""
-        out, start = [], 0
-        for b, coarse in enumerate(self.base):
-            offset = 0
-            for rows in _tile_sizes(coarse, self.split(nd)):
-                out.append((start + offset, rows, b, offset))
-                offset = offset + rows
-            start = start + coarse
-        return out
+    def start(self, k: int):
+        """Where fine tile ``k`` starts."""
+        return sum(self.fine[:k]) if k else 0
+
+    def tiles(self, nd: fx.Node) -> list[tuple[object, object]]:
+        """(start, rows) of each tile of ``nd``'s group."""
+        m = self.span(nd)
+        return [(self.start(j * m), sum(self.fine[j * m : (j + 1) * m])) for j in range(len(self.fine) // m)]
 
 
 def _seq_dim(p, shape, n: int, rank: int) -> tuple[int, int] | None:
@@ -249,11 +248,14 @@ def plan_tiles(
     # a multiple of the fewest: a group's tiles cut the coarsest tiles further
     counts = [_tile_count(hint(longest), cap, symbolic is not None) for cap in caps]
     guard = None if symbolic is None else TileGuard(longest, max(counts), max(caps))
+    # the fewest times a power of two (a symbolic length's counts are powers of two already)
     fewest = min(counts)
+    counts = [fewest << (c // fewest).bit_length() - 1 for c in counts]
+    most = max(counts)
     if symbolic is not None:
         nodes = {symbolic[nd]: d for nd, d in nodes.items()}
         groups = {symbolic[nd]: g for nd, g in groups.items()}
-    return Tiling(nodes, groups, _tile_sizes(rows, fewest), tuple(c // fewest for c in counts)), guard
+    return Tiling(nodes, groups, _tile_sizes(rows, most), tuple(most // c for c in counts)), guard
 
 
 def _groups(graph: fx.Graph, nodes: dict[fx.Node, int | None]) -> dict[fx.Node, int]:
@@ -360,22 +362,23 @@ class TileRunner:
 
     def _run_group(self, ops: list[fx.Node]) -> None:
         interp, tiling, tiled = self.interp, self.tiling, self.tiling.nodes
-        split = tiling.split(ops[0])
+        span = tiling.span(ops[0])
         summed = {nd for nd in ops if tiled[nd] is None and any(u not in tiled for u in nd.users)}
         sliced: dict[tuple, torch.Tensor] = {}
-        coarse: dict[tuple, torch.Tensor] = {}  # another group's tiles joined into a coarse tile
-        for j, (start, rows, b, offset) in enumerate(tiling.tiles(ops[0])):
+        for j, (start, rows) in enumerate(tiling.tiles(ops[0])):
 
-            def tile(u: fx.Node, i: int, q, j=j, start=start, rows=rows, b=b, offset=offset) -> torch.Tensor:
+            def tile(u: fx.Node, i: int, q, j=j, start=start, rows=rows) -> torch.Tensor:
                 if u in tiled:
-                    theirs = tiling.split(u)
-                    if theirs == split:
+                    theirs = tiling.span(u)
+                    if theirs == span:
                         return _item(self.parts[u][j], u, i)
-                    # another group's, cut otherwise: its coarse tile (joined where it cut it), then this tile of it
-                    if (u, i, b) not in coarse:
-                        pieces = [_item(t, u, i) for t in self.parts[u][b * theirs : (b + 1) * theirs]]
-                        coarse[u, i, b] = pieces[0] if theirs == 1 else torch.cat(pieces, tiled[u])
-                    return coarse[u, i, b] if split == 1 else coarse[u, i, b].narrow(tiled[u], offset, rows)
+                    if theirs < span:  # another group's finer tiles: the few that make this one, joined
+                        k = span // theirs
+                        return torch.cat([_item(t, u, i) for t in self.parts[u][j * k : (j + 1) * k]], tiled[u])
+                    # another group's coarser tile: the slice of it that is this tile
+                    p = j * span // theirs
+                    offset = sum(tiling.fine[p * theirs : j * span])
+                    return _item(self.parts[u][p], u, i).narrow(tiled[u], offset, rows)
                 spec = shard_spec(q)
                 if spec is None:
                     return interp.value(u, i)

@@ -452,7 +452,7 @@ def test_plan_command_prints_memory_and_longest_sequence(tmp_path):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,  # 2- and 3-layer traces at two lengths, then the search
     )
     assert out.returncode == 0, out.stderr[-3000:]
     for policy in ("none", "auto", "full"):

@@ -326,9 +326,9 @@ class TileRunner:
     """Runs a tiling's ops for a per-rank interpreter (``partition._localize.Localizer``): each
     tiled op waits (``defers``) until an untiled op (or the output) reads one of the waiting ops;
     then the waiting ops run one tile through all of them, then the next (each group in its own
-    tiles, ``Tiling.sizes``). A tiled op read untiled
-    is its tiles joined along the sequence (``joined``); a partial sum read untiled (a weight
-    gradient, the loss) is added up as the tiles go."""
+    tiles, ``Tiling.tiles``). A tiled op read untiled is its tiles joined along the sequence
+    (``joined``); a partial sum read untiled (a weight gradient, the loss) is added up as the
+    tiles go."""
 
     def __init__(self, interp, tiling: Tiling):
         self.interp, self.tiling = interp, tiling

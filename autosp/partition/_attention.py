@@ -533,19 +533,21 @@ def ring_attention_op(
     u: int,
     inner: str,
     mask_start: int = 0,
-    kernel: str = CPU_FLASH.name,
+    block_kernel: str = CPU_FLASH.name,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, logsumexp) of this rank's chunk: ring attention over ``group`` (``u == 1``), or hybrid
     attention with sub-groups of ``u`` (``inner`` within, ``group`` across; the mask whole), each
-    block run by the attention ``kernel`` (``_attention_ops.BY_NAME``)."""
-    kw = dict(S=S, rank=rank, n=n, is_causal=is_causal, scale=scale, attn_mask=attn_mask, kernel=kernel)
+    block run by the attention kernel ``block_kernel`` (``_attention_ops.BY_NAME``; not named
+    ``kernel``: Inductor passes an op it does not lower to ``FallbackKernel.create(kernel, ...)``,
+    and an argument of that name given by keyword collided with it)."""
+    kw = dict(S=S, rank=rank, n=n, is_causal=is_causal, scale=scale, attn_mask=attn_mask, kernel=block_kernel)
     if u > 1:
         return _waited(hybrid_attention(query, key, value, u=u, inner=inner, outer=group, **kw), (query, key, value))
     return _waited(ring_attention(query, key, value, group=group, mask_start=mask_start, **kw), (query, key, value))
 
 
 @ring_attention_op.register_fake
-def _(query, key, value, attn_mask, S, rank, n, group, is_causal, scale, u, inner, mask_start=0, kernel=""):
+def _(query, key, value, attn_mask, S, rank, n, group, is_causal, scale, u, inner, mask_start=0, block_kernel=""):
     return (
         query.new_empty([*query.shape[:3], value.shape[3]]),
         query.new_empty(query.shape[:3], dtype=acc_dtype(query.dtype)),
@@ -570,10 +572,10 @@ def ring_attention_backward_op(
     u: int,
     inner: str,
     mask_start: int = 0,
-    kernel: str = CPU_FLASH.name,
+    block_kernel: str = CPU_FLASH.name,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad query, grad key, grad value) of this rank's chunks (see ``ring_attention_op``)."""
-    kw = dict(S=S, rank=rank, n=n, is_causal=is_causal, scale=scale, attn_mask=attn_mask, kernel=kernel)
+    kw = dict(S=S, rank=rank, n=n, is_causal=is_causal, scale=scale, attn_mask=attn_mask, kernel=block_kernel)
     args = (grad_out, query, key, value, out, logsumexp)
     if u > 1:
         return _waited(hybrid_attention_backward(*args, u=u, inner=inner, outer=group, **kw), args)
@@ -615,7 +617,7 @@ def _sequence_call(nd, s, target, args, kwargs, ctx):
         fn = kv_gathered_attention_backward if backward else kv_gathered_attention
     else:
         u, inner, outer = (ctx.ulysses, ctx.inner, ctx.outer) if s.kernel == Kernel.HYBRID else (1, "", ctx.group)
-        common.update(S=S, rank=ctx.rank, n=ctx.n, group=outer, u=u, inner=inner)
+        common.update(S=S, rank=ctx.rank, n=ctx.n, group=outer, u=u, inner=inner, block_kernel=common.pop("kernel"))
         fn = ring_attention_backward_op if backward else ring_attention_op
     if backward:
 

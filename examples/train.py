@@ -3,10 +3,12 @@ with the same training on one device: the loss curves and the peak memory per ra
 
     torchrun --nproc-per-node 2 examples/train.py --out runs/sp2     # 2 ranks (gloo on CPU), then
                                                                      # the one-device run, compared
-    python examples/train.py --out runs/single                       # the one-device run alone
+    python examples/train.py --plain --out runs/single               # the one-device run alone
+    python examples/train.py --out runs/one                          # autosp on one process
 
 Every rank gets the same full batch; autosp splits the sequence. Rank 0 writes ``OUT/loss.json``.
-After the sharded run, rank 0 runs the same training as one process (``OUT/single``) and prints
+After the sharded run, rank 0 runs the same training as one process with plain ``torch.compile``
+(``--plain``: no autosp, so no checkpointing or tiling either; ``OUT/single``) and prints
 the comparison (``OUT/summary.json``; ``OUT/loss.png`` with matplotlib installed). Peak memory
 is each process's RSS high-water mark during the training steps above its RSS after the first
 step (parameters and optimizer state allocated, compilation done), with glibc told to return
@@ -66,9 +68,13 @@ def train(args) -> dict:
     data = batches(corpus(), args.batch, args.seq, seed=1)
     with autosp.mesh() as mesh:
 
-        @autosp.shard(seq=True, compiler=args.compiler, checkpoint=args.checkpoint)
-        def loss_fn(input_ids, labels):
+        def loss(input_ids, labels):
             return model(input_ids, labels)
+
+        if args.plain:  # the reference: one device, without autosp
+            loss_fn = torch.compile(loss, backend=args.compiler, fullgraph=True)
+        else:  # a world of one (plain `python`) runs autosp's passes too
+            loss_fn = autosp.shard(loss, seq=True, compiler=args.compiler, checkpoint=args.checkpoint)
 
         rank0 = dist.get_rank() == 0
         losses, tokens, t0, base = [], 0, 0.0, 0
@@ -89,7 +95,7 @@ def train(args) -> dict:
         peak = torch.tensor([_rss("VmHWM") - base], dtype=torch.float64)
         if dist.get_world_size() > 1:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the rank that needs most
-        plan = loss_fn.plan
+        plan = getattr(loss_fn, "plan", None)
         return {
             "sp": mesh.sp_size,
             "seq": args.seq,
@@ -161,6 +167,7 @@ def main() -> None:
     ap.add_argument("--compiler", default="aot_eager", choices=["aot_eager", "inductor"])
     ap.add_argument("--checkpoint", default="auto", help="autosp.shard's checkpoint: auto, none, full, or bytes")
     ap.add_argument("--no-reference", action="store_true", help="under torchrun: skip the one-device run")
+    ap.add_argument("--plain", action="store_true", help="plain torch.compile, without autosp (the one-device run)")
     ap.add_argument("--out", type=Path, default=Path("runs/latest"))
     args = ap.parse_args()
     if args.checkpoint.isdigit():
@@ -194,6 +201,7 @@ def main() -> None:
             args.compiler,
             "--checkpoint",
             str(args.checkpoint),
+            "--plain",
             "--out",
             str(ref),
         ]

@@ -198,6 +198,21 @@ def work(kind: str, b: int, L: int) -> dict:
     return {"flops": (sharded[0], single[0]), "saved": (sharded[1], single[1])}
 
 
+def world_of_one_work(kind: str, b: int, L: int) -> dict:
+    """A world of one (no torchrun): the gloo events of one training step after a warm-up (none
+    should run: the sp group's collectives are removed), and ``work``'s FLOPs and saved bytes."""
+    torch.manual_seed(0)
+    model = MODELS[kind]()
+    ids, labels = batch(kind, b, L, seed=0)
+    with autosp.mesh():
+        step = autosp.shard(lambda input_ids, labels: model(input_ids, labels), compiler="aot_eager")
+        step(ids, labels).backward()
+        with torch.profiler.profile(record_shapes=True) as prof:
+            step(ids, labels).backward()
+        plan = step.plan
+    return {"gloo": _gloo_events(prof), "planned": plan is not None, "rows": len(plan.collectives), **work(kind, b, L)}
+
+
 def _step_error(kind: str, b: int, L: int, check_inputs: bool = True, seed: int = 0, **mesh_kwargs) -> str:
     """Run one sharded step; return the error it raised, or "no error"."""
     torch.manual_seed(0)

@@ -58,7 +58,11 @@ def test_two_torchrun_nodes_match_one_device(tmp_path):
         for r in range(2)
     ]
     single = subprocess.run(
-        [sys.executable, *_train_cmd(tmp_path / "single")], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, *_train_cmd(tmp_path / "single"), "--plain"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert single.returncode == 0, single.stdout + single.stderr
     for a in agents:

@@ -149,15 +149,16 @@ def _dtype(v) -> str:
 
 def build_plan(joint: fx.GraphModule, choice: Choice, n: int, notes: tuple[str, ...] = ()) -> Plan:
     """The plan ``explain`` shows for the solved joint graph: every collective on an edge (and one
-    row per ring or hybrid attention op, for the exchanges inside its kernel), and the notes."""
+    row per ring or hybrid attention op, for the exchanges inside its kernel), and the notes. An
+    sp group of one rank has none: the per-rank graph drops its collectives (``drop_lone_collectives``)."""
     plan = choice.strategy
     backward = _backward_nodes(joint)
     placements = {nd.name: tuple(str(p) for p in s.outs if p is not None) for nd, s in plan.items()}
     colls, at = [], []  # the collectives, and the op each is for (None: the step's output)
     out_node = joint.graph.output_node()
-    consumers = [(nd, tensor_inputs(nd), plan[nd].ins) for nd in joint.graph.nodes if nd in plan]
+    consumers = [(nd, tensor_inputs(nd), plan[nd].ins) for nd in joint.graph.nodes if nd in plan and n > 1]
     leaves = [a for a in torch.utils._pytree.tree_leaves(out_node.args) if isinstance(a, fx.Node)]
-    consumers.append((out_node, [(a, 0) for a in leaves], tuple(R for _ in leaves)))
+    consumers += [(out_node, [(a, 0) for a in leaves], tuple(R for _ in leaves))] if n > 1 else []
     moved = set()  # an all-to-all runs once per (value, placement), for every op that reads it so
     for nd, ins, reqs in consumers:
         for (u, i), q in zip(ins, reqs):

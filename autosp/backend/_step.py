@@ -353,13 +353,12 @@ class ShardedStep:
         # a copy per compiled step (sharded function and input shapes) keeps their caches apart
         # (else the 9th sharded function, or length, would hit the recompile limit).
         step.__code__ = step.__code__.replace()
-        if m.sp_size == 1 and m.dp_size == 1 and on_plan is None:
-            backend = "inductor" if self.options.compiler == "inductor" else "aot_eager"
-        else:
-            if on_plan is None and compiled is not None:
-                on_plan = functools.partial(compiled, code=step.__code__)
-            backend = make_backend(m, self.options, on_plan, on_run=self._record)
-            capture_hf_experts()
+        # a world of one (``python train.py`` on one GPU) runs the same passes as a larger mesh:
+        # checkpointing, tiling and offload, its sp group's collectives removed (``_localize``)
+        if on_plan is None and compiled is not None:
+            on_plan = functools.partial(compiled, code=step.__code__)
+        backend = make_backend(m, self.options, on_plan, on_run=self._record)
+        capture_hf_experts()
         return torch.compile(step, backend=backend, fullgraph=True, dynamic=None if dynamic else False)
 
     def _symbolic_inputs(self, args, kwargs) -> tuple[tuple, dict, dict[int, int]]:

@@ -161,7 +161,7 @@ def _seq_strategies(node, q, k, v, n) -> list[Strategy]:
     with a mask's rows split as the queries are (``_rows_mask``). The solver weighs them against
     Ulysses by the bytes each sends and holds: a whole (S, S) mask on every rank is what Ulysses
     costs under a document mask."""
-    if not seq_attention_ok(node, q, k):
+    if n == 1 or not seq_attention_ok(node, q, k):  # one rank: attention runs whole (Ulysses over one)
         return []
     fwd, bwd = ring_bytes(q, k, v, n, is_causal(node))
     s2 = shard(2)

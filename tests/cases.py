@@ -1074,6 +1074,47 @@ def loss_exactness(case: str, b: int, L: int) -> dict:
     }
 
 
+# Losses over the logits a user writes with the logits in tiles (``tiled_loss_exactness``): LOSS_FNS'
+# that read the logits, and HF's causal-LM form, which shifts the logits rather than the labels
+TILED_LOSSES = {
+    **{k: LOSS_FNS[k] for k in ("preshifted", "z_loss", "per_sequence_mean")},
+    "logits_shift": lambda m, ids, labels: torch.nn.functional.cross_entropy(
+        m(ids)[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100
+    ),
+}
+
+
+def tiled_loss_exactness(case: str, L: int, compiler: str = "aot_eager", dynamic: bool = False) -> dict:
+    """``TILED_LOSSES[case]`` over the Llama example with a vocabulary 32 times its width, the
+    logits and loss in tiles sized by memory (forced, from 2 rows a tile: ``tiled``), one step in
+    fp32 against one device; and the rung that ran."""
+    torch.manual_seed(0)
+    model = MODELS["llama_vocab"]()
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (1, L), generator=g)
+    labels = ids.clone() if case == "logits_shift" else _preshift(ids)
+    labels[:, : L // 4] = -100
+    fn = TILED_LOSSES[case]
+    with autosp.mesh():
+        step = autosp.shard(
+            lambda input_ids, labels: fn(model, input_ids, labels),
+            compiler=compiler,
+            checkpoint="full",
+            dynamic=dynamic,
+        )
+        loss = tiled(step, ids, labels, min_rows=2)
+        loss.backward()
+    loss_ref = fn(ref, ids, labels)
+    loss_ref.backward()
+    return {
+        "loss": (loss.item(), loss_ref.item()),
+        "grad_err": {n: _rel(p.grad, q.grad) for (n, p), q in zip(model.named_parameters(), ref.parameters())},
+        "checkpoint": step.plan.checkpoint.chosen,
+        "kinds": sorted({c.kind for c in step.plan.collectives}),
+    }
+
+
 def low_precision(mode: str, b: int, L: int) -> dict:
     """bf16 training, three ways users run it: bf16 parameters ("bf16"), fp32 parameters under
     CPU autocast to bf16 ("autocast"), or FSDP2 with fp32 shards computing in bf16 and reducing

@@ -98,6 +98,26 @@ def test_tiles_sized_by_memory_match_single_device(pools, kind, compiler):
         assert Counter(none) == Counter(tiled)
 
 
+@pytest.mark.parametrize(
+    "case,compiler",
+    tier(
+        [(c, "aot_eager") for c in cases.TILED_LOSSES] + [("logits_shift", "inductor")],
+        [("logits_shift", "aot_eager")],
+    ),
+)
+def test_tiled_logits_under_the_losses_users_write(pools, case, compiler):
+    """The logits in tiles sized by memory under losses users write over them (HF's shift of the
+    logits, not the labels; pre-shifted labels; a z-loss reading the logits twice; per-sequence
+    means): "full + loss" in 8 and 16 tiles on 2 ranks, one device's loss and gradients (fp32,
+    1e-5; Inductor with a symbolic length, the defaults, for the logits shift, which once crashed
+    Inductor's lowering), with Ulysses' collectives only (no logits gathered)."""
+    for r in pools(2).run(cases.tiled_loss_exactness, case, 64, compiler, compiler == "inductor"):
+        loss, loss_ref = r["loss"]
+        assert abs(loss - loss_ref) <= 1e-5 * abs(loss_ref)
+        assert max(r["grad_err"].values()) <= 1e-5, r["grad_err"]
+        assert r["checkpoint"] == "full + loss, 8-16 tiles" and r["kinds"] == ["all_reduce", "all_to_all"], r
+
+
 def test_tiles_sized_by_memory_cut_the_logits_transient(fake_world):
     """The logits' group of ops, 16 times the width per row, runs in 16 tiles where the layers
     stop at 8 (1024 rows per rank, from 16 rows a tile): "full + loss"'s predicted peak falls

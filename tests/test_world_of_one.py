@@ -9,6 +9,9 @@ import pytest
 import torch
 from _checks import tier
 
+import autosp
+from examples.models import Llama, LlamaConfig
+
 
 @pytest.mark.parametrize(
     "kind,b,L",
@@ -61,3 +64,18 @@ def test_world_of_one_under_the_defaults(pools):
     loss, loss_ref = r["loss"]
     assert abs(loss - loss_ref) <= 1e-5 * abs(loss_ref)
     assert max(r["grad_err"].values()) <= 1e-5, r
+
+
+@pytest.mark.parametrize("attention", ["ring", "hybrid"])
+def test_a_forced_attention_kernel_runs_whole_at_one_rank(fake_world, attention):
+    """A config that forces an attention kernel for the larger mesh runs at one rank too: there
+    every kernel is attention run whole, so none is forced (before, a forced ring was a PlanError
+    at one rank, the ring's strategies not being offered there); the plan has no collective."""
+    fake_world(1)
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig())
+    ids = torch.randint(0, 256, (1, 64))
+    with autosp.mesh(sp=1):
+        step = autosp.shard(lambda a, b: model(a, b), compiler="aot_eager", dynamic=False, attention=attention)
+        plan = autosp.explain(step, ids, ids)
+    assert plan.collectives == () and plan.checkpoint is not None, plan

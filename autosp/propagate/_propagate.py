@@ -90,10 +90,11 @@ def _justified(s: Strategy, reach) -> bool:
     return any(q != R and _activation(reach[j]) for j, q in enumerate(s.ins))
 
 
-def _forced(node: fx.Node, strats: list[Strategy], attention: str) -> list[Strategy]:
+def _forced(node: fx.Node, strats: list[Strategy], attention: str, n: int) -> list[Strategy]:
     """The strategies of the forced attention kernel (attention ops only, and only while the
-    query's sequence reached it: before that, the op runs replicated as it would anyway)."""
-    if attention == "auto" or not any(s.kernel in ATTENTION_KERNELS for s in strats):
+    query's sequence reached it: before that, the op runs replicated as it would anyway). On an sp
+    group of one rank every kernel is attention run whole: none is forced."""
+    if attention == "auto" or n == 1 or not any(s.kernel in ATTENTION_KERNELS for s in strats):
         return strats
     kept = [s for s in strats if s.kernel == attention]
     if not kept:
@@ -166,7 +167,7 @@ def _visit(c: Candidates, node: fx.Node, ctx: SpContext, wanted: dict, rows: dic
         # asks for (the zeros of a selection's gradient): a free slice, without the whole tensor
         asked = sorted((q for q in wanted.get((node, 0), ()) if is_shard(q)), key=str)
         strats = strats + [Strategy((q,), s.ins) for q in asked for s in strats if s.outs[0] == R]
-    strats = _forced(node, strats, ctx.options.attention)
+    strats = _forced(node, strats, ctx.options.attention, ctx.n)
     c.strategies[node] = strats
     for i, v in enumerate(out_vals(node)):
         if v is not None:

@@ -1109,7 +1109,7 @@ def tiled_loss_exactness(case: str, L: int, compiler: str = "aot_eager", dynamic
     loss_ref.backward()
     return {
         "loss": (loss.item(), loss_ref.item()),
-        "grad_err": {n: _rel(p.grad, q.grad) for (n, p), q in zip(model.named_parameters(), ref.parameters())},
+        "grad_err": _grad_errors(model, ref),
         "checkpoint": step.plan.checkpoint.chosen,
         "kinds": sorted({c.kind for c in step.plan.collectives}),
     }

@@ -42,7 +42,7 @@ from .._graph import ATTENTION_OPS, op_args, out_vals
 from ..propagate._attention import acc_dtype, blocks, halves, kv_sends, zigzag, zigzag_owner
 from ..propagate._attention import bounds as chunk_bounds
 from ..propagate._attention import ranges as query_ranges
-from ..propagate._placement import chunks, is_shard
+from ..propagate._placement import chunk_start, is_shard
 from ._collectives import redistribute
 
 __all__ = [
@@ -608,7 +608,7 @@ def _sequence_call(nd, s, target, args, kwargs, ctx):
     S = q.shape[2]
     mask = a.get(op.mask) if op.mask else None
     common = dict(is_causal=bool(a["is_causal"]), scale=a["scale"], attn_mask=mask, kernel=op.name)
-    start = sum(chunks(S, ctx.n)[: ctx.rank])
+    start = chunk_start(S, ctx.n, ctx.rank)
     # a mask split by rows (``propagate._attention._rows_mask``) holds this rank's rows
     placed = dict(zip(input_names(nd), s.ins))
     common.update(mask_start=start if op.mask in placed and is_shard(placed[op.mask]) else 0)

@@ -16,12 +16,13 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed._functional_collectives as funcol
+from torch import sym_max
 from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.distributed.tensor.placement_types import Placement
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .._graph import op_args
-from ..propagate._placement import chunks, offsets, redistribute_kind, shard_spec
+from ..propagate._placement import chunk, chunk_start, chunks, even_split, offsets, redistribute_kind, shard_spec
 
 __all__ = ["redistribute", "pad_to", "drop_lone_collectives"]
 
@@ -30,19 +31,13 @@ def _split(shape: list[int], d: int, parts: list[int]) -> list[int]:
     return shape[:d] + parts + shape[d + 1 :]
 
 
-def _even(cs: list[int]) -> bool:
-    """Equal chunks; symbolic ones are taken as uneven (the padded paths are exact for any length,
-    and reading the remainder would specialise the graph on it)."""
-    return all(statically_known_true(c == cs[0]) for c in cs)
-
-
 def _slice(x: torch.Tensor, d: int, sf: int, n: int, rank: int) -> torch.Tensor:
     """This rank's shard of the full tensor ``x``."""
     shape = list(x.shape)
     block = shape[d] // sf
-    cs = chunks(block, n)
-    y = x.reshape(_split(shape, d, [sf, block])).narrow(d + 1, offsets(cs)[rank], cs[rank])
-    return y.reshape(_split(shape, d, [sf * cs[rank]]))
+    rows = chunk(block, n, rank)
+    y = x.reshape(_split(shape, d, [sf, block])).narrow(d + 1, chunk_start(block, n, rank), rows)
+    return y.reshape(_split(shape, d, [sf * rows]))
 
 
 def pad_to(x: torch.Tensor, d: int, size: int) -> torch.Tensor:
@@ -53,34 +48,56 @@ def pad_to(x: torch.Tensor, d: int, size: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(fill)], dim=d)
 
 
+def _unpadded_rows(block: int, n: int, device) -> torch.Tensor:
+    """Where each row of a block of ``block`` rows lies among ``n`` chunks padded to the first's
+    (balanced chunks: the first ``r = block % n`` ranks hold ``q + 1 = block // n + 1`` rows and
+    the others ``q`` and one padded row each, when ``r > 0``): row p, past the ``r (q + 1)``
+    rows of the first ranks, moves down by one padded row per rank before its own. Tensor ops
+    whose number does not grow with ``n`` (on a symbolic length the chunks are expressions)."""
+    q, first = block // n, chunk(block, n, 0)
+    cut = (block - n * q) * first  # the rows of the ranks that hold ``first`` (no padding)
+    p = torch.arange(block, device=device)
+    pads = torch.where(p >= cut, (p - cut) // sym_max(q, 1), 0)
+    return p + pads * (first - q)  # no padded rows where the chunks are equal
+
+
+def _padded_rows(block: int, n: int, device) -> torch.Tensor:
+    """For each of the ``n * first`` rows of ``n`` chunks padded to the first's, the row of the
+    block it holds: rank j's rows from its start on, its padded row a copy of the block's last
+    row (dropped after the exchange)."""
+    q, first = block // n, chunk(block, n, 0)
+    t = torch.arange(n * first, device=device)
+    j = t // sym_max(first, 1)
+    start = j * q + j.clamp(max=block - n * q)  # the first ``block % n`` ranks hold one row more
+    return (start + t - j * first).clamp(max=sym_max(block - 1, 0))
+
+
 def _gather(x: torch.Tensor, d: int, sf: int, n: int, group, block: int) -> torch.Tensor:
     """The full tensor from every rank's shard (``block``: the global block size)."""
     shape = list(x.shape)
-    cs = chunks(block, n)
+    first = chunk(block, n, 0)
     c = shape[d] // sf
     y = x.reshape(_split(shape, d, [sf, c]))
-    y = pad_to(y, d + 1, cs[0]).contiguous()
+    y = pad_to(y, d + 1, first).contiguous()
     y = funcol.all_gather_tensor(y, 0, group)  # ranks stacked on dim 0
-    y = y.reshape([n] + _split(shape, d, [sf, cs[0]]))
-    if _even(cs):
-        y = y.movedim(0, d + 1)  # (..., sf, n, c, ...)
-    else:
-        y = torch.cat([y[j].narrow(d + 1, 0, cj) for j, cj in enumerate(cs)], dim=d + 1)
+    y = y.reshape([n] + _split(shape, d, [sf, first]))
+    y = y.movedim(0, d + 1)  # (..., sf, n, c, ...)
+    if not even_split(block, n):  # the padded rows out: one index, not a cut per rank
+        y = y.flatten(d + 1, d + 2).index_select(d + 1, _unpadded_rows(block, n, y.device))
     return y.reshape(_split(shape, d, [sf * block]))
 
 
 def _reduce_scatter(x: torch.Tensor, d: int, sf: int, n: int, rank: int, group) -> torch.Tensor:
     shape = list(x.shape)
     block = shape[d] // sf
-    cs = chunks(block, n)
+    first, rows = chunk(block, n, 0), chunk(block, n, rank)
     y = x.reshape(_split(shape, d, [sf, block]))
-    if _even(cs):
-        y = y.reshape(_split(shape, d, [sf, n, cs[0]])).movedim(d + 1, 0).contiguous()
-    else:
-        y = torch.stack([pad_to(p, d + 1, cs[0]) for p in y.split(cs, dim=d + 1)]).contiguous()
+    if not even_split(block, n):  # each rank's rows padded to the first's: one index, not a pad per rank
+        y = y.index_select(d + 1, _padded_rows(block, n, y.device))
+    y = y.reshape(_split(shape, d, [sf, n, first])).movedim(d + 1, 0).contiguous()
     y = funcol.reduce_scatter_tensor(y, "sum", 0, group)
-    y = y.reshape(_split(shape, d, [sf, cs[0]])).narrow(d + 1, 0, cs[rank])
-    return y.reshape(_split(shape, d, [sf * cs[rank]]))
+    y = y.reshape(_split(shape, d, [sf, first])).narrow(d + 1, 0, rows)
+    return y.reshape(_split(shape, d, [sf * rows]))
 
 
 def _all_to_all(
@@ -90,15 +107,22 @@ def _all_to_all(
     and put each source rank's piece of dim a in its place."""
     shape = list(x.shape)
     block_b = shape[b] // sfb
-    ca, cb = chunks(block_a, n), chunks(block_b, n)
-    if _even(ca) and _even(cb):
-        y = x.reshape(_split(shape, b, [sfb, n, cb[0]])).movedim(b + 1, 0).contiguous()
+    even_a, even_b = even_split(block_a, n), even_split(block_b, n)
+    if even_b and not even_a and sfa == 1:
+        return _to_uneven_rows(x, a, b, sfb, n, group, chunks(block_a, n), block_b // n, block_a)
+    if even_a and not even_b and sfb == 1:
+        return _from_uneven_rows(x, a, b, sfa, n, rank, group, block_a // n, chunks(block_b, n))
+    if even_a and even_b:
+        ca, cb = block_a // n, block_b // n
+        y = x.reshape(_split(shape, b, [sfb, n, cb])).movedim(b + 1, 0).contiguous()
         y = funcol.all_to_all_single(y, None, None, group)
-        mid = _split(shape, b, [sfb * cb[0]])
-        y = y.reshape([n] + _split(mid, a, [sfa, ca[0]]))
+        mid = _split(shape, b, [sfb * cb])
+        y = y.reshape([n] + _split(mid, a, [sfa, ca]))
         y = y.movedim(0, a + 1)  # (..., sfa, n, ca, ...)
-        return y.reshape(_split(mid, a, [sfa * n * ca[0]]))
-    # uneven: flat buffers with split sizes; piece j of dim b goes to rank j
+        return y.reshape(_split(mid, a, [sfa * n * ca]))
+    ca, cb = chunks(block_a, n), chunks(block_b, n)
+    # both uneven, or a strided shard on the uneven side: flat buffers with split sizes, piece j
+    # of dim b to rank j (ops per rank: what a symbolic length on both dims, rare, costs)
     xb = x.reshape(_split(shape, b, [sfb, block_b]))
     send = [xb.narrow(b + 1, o, c).reshape(-1) for o, c in zip(offsets(cb), cb)]
     mids = []  # the shape of what rank j sends here: its chunk of a, this rank's chunk of b
@@ -110,6 +134,41 @@ def _all_to_all(
     y = funcol.all_to_all_single(torch.cat(send), recv_sizes, [t.numel() for t in send], group)
     pieces = [p.reshape(_split(m, a, [sfa, ca[j]])) for j, (p, m) in enumerate(zip(y.split(recv_sizes), mids))]
     return torch.cat(pieces, dim=a + 1).reshape(_split(mids[0], a, [sfa * block_a]))
+
+
+def _to_uneven_rows(
+    x: torch.Tensor, a: int, b: int, sfb: int, n: int, group, ca: list, cb: int, block_a: int
+) -> torch.Tensor:
+    """Sharded on dim a (one block, uneven chunks ``ca``, a symbolic length's) -> sharded on dim b
+    (even chunks of ``cb``): each rank's pieces laid out with dim a first, so that what the ranks
+    send here, in rank order, is dim a whole, and the exchange's split sizes (rows of dim a) put
+    each in its place: a fixed number of ops, not one per rank."""
+    shape = list(x.shape)
+    y = x.reshape(_split(shape, b, [sfb, n, cb]))  # dim b + 1: the rank each piece goes to
+    at = a if a < b else a + 2
+    y = y.movedim((b + 1, at), (0, 1)).contiguous()  # (n, rows of a here, ...)
+    y = funcol.all_to_all_single(y.flatten(0, 1), list(ca), [shape[a]] * n, group)  # (rows of a, ...)
+    mid = _split(shape, b, [sfb * cb])
+    mid[a] = block_a
+    return y.movedim(0, a if a < b else a + 1).reshape(mid)
+
+
+def _from_uneven_rows(
+    x: torch.Tensor, a: int, b: int, sfa: int, n: int, rank: int, group, ca: int, cb: list
+) -> torch.Tensor:
+    """Sharded on dim a (even chunks of ``ca``) -> sharded on dim b (one block, uneven chunks
+    ``cb``, a symbolic length's): dim b first, so that rank j's piece is its rows of dim b, sent
+    with split sizes; the pieces back here are alike in size and stack along dim a. A fixed
+    number of ops, not one per rank."""
+    shape = list(x.shape)
+    y = x.movedim(b, 0).contiguous()  # (rows of b, ...)
+    y = funcol.all_to_all_single(y, [cb[rank]] * n, list(cb), group)  # (n * this rank's rows of b, ...)
+    rest = shape[:b] + shape[b + 1 :]
+    at = a if a < b else a - 1  # dim a among the dims but b
+    y = y.reshape([n, cb[rank], *_split(rest, at, [sfa, ca])])
+    y = y.movedim(0, at + 2)  # (rows of b, ..., sfa, n, ca, ...): rank j's chunk in its place
+    out = _split(rest, at, [sfa * n * ca])
+    return y.reshape([cb[rank], *out]).movedim(0, b)
 
 
 def _all_reduce(x: torch.Tensor, src, group) -> torch.Tensor:

@@ -33,7 +33,7 @@ from ..propagate._flex import (
     flex_args,
     flex_inputs,
 )
-from ..propagate._placement import chunks, shard_spec
+from ..propagate._placement import chunk_start, shard_spec
 
 __all__ = ["flex_call", "rows_block_mask", "FLEX_CALLS"]
 
@@ -88,7 +88,7 @@ def flex_call(nd, s, target, args, kwargs, ctx):
     a = flex_args(target, args)
     q = a["query"]
     global_q = flex_args(nd.target, nd.args)["query"].meta["val"]
-    start = sum(chunks(global_q.shape[dim], ctx.n)[: ctx.rank])
+    start = chunk_start(global_q.shape[dim], ctx.n, ctx.rank)
     offset = torch.full((), start, dtype=torch.int32, device=q.device)
     mask_mod = _shifted(a["block"]["mask_mod"], dim, score=False)
     if dim == 2:

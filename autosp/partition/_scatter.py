@@ -11,7 +11,7 @@ import torch
 
 from .._context import Kernel
 from .._graph import out_vals
-from ..propagate._placement import chunks, offsets, shard_spec
+from ..propagate._placement import chunk, chunk_start, shard_spec
 
 __all__ = ["OWN_ROWS_KERNELS", "block_rows"]
 
@@ -22,8 +22,7 @@ def block_rows(nd, s, n: int, rank: int) -> tuple[int, int, int, int]:
     ``rows`` from ``first`` on."""
     d, sf = shard_spec(s.ins[0])
     block = out_vals(nd.args[0])[0].shape[d] // sf
-    cs = chunks(block, n)
-    return block, sf, cs[rank], offsets(cs)[rank]
+    return block, sf, chunk(block, n, rank), chunk_start(block, n, rank)
 
 
 def _own_rows(op, x, dim, index, *rest, rows: tuple[int, int, int, int], **kwargs):

@@ -17,7 +17,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from .._context import Kernel
 from .._graph import known_alike, out_vals, retraced
 from .._lengths import arithmetic, plain
-from ..propagate._placement import chunks, offsets, shard_spec
+from ..propagate._placement import chunk, chunks, offsets, shard_spec
 from ..propagate._shift import (
     Window,
     concat_windows,
@@ -160,7 +160,7 @@ def _at_least(t: torch.Tensor, rows: int, dim: int = 2) -> torch.Tensor:
 def _unfold(nd, x, dim, size, step, *, ctx):
     """This rank's windows: the unfold of its rows and the ``size - 1`` rows after them."""
     d, _, win, _ = unfold_windows(nd)
-    rows = chunks(win.size_out, ctx.n)[ctx.rank]
+    rows = chunk(win.size_out, ctx.n, ctx.rank)
     xw = _at_least(shifted(x, win, ctx.n, ctx.rank, ctx.group), size, d)
     return xw.unfold(d, size, 1).narrow(d, 0, rows)
 
@@ -170,7 +170,7 @@ def _unfold_backward(nd, g, input_sizes, dim, size, step, *, ctx):
     before its own too), the gradient of their unfold, of which the rows past the first
     ``size - 1`` are this rank's."""
     d, _, _, gwin = unfold_windows(nd)
-    rows = chunks(gwin.size_out, ctx.n)[ctx.rank]
+    rows = chunk(gwin.size_out, ctx.n, ctx.rank)
     gg = _at_least(shifted(g, gwin, ctx.n, ctx.rank, ctx.group), 1, d)
     sizes = list(g.shape[:-1])
     sizes[d] = gg.shape[d] + size - 1
@@ -181,7 +181,7 @@ def _unfold_backward(nd, g, input_sizes, dim, size, step, *, ctx):
 def _convolution(nd, x, w, bias, stride, padding, dilation, transposed, output_padding, groups, *, ctx):
     """This rank's output rows: the convolution, unpadded, on the input rows they read."""
     win, _ = conv_windows(nd)
-    rows = chunks(win.size_out, ctx.n)[ctx.rank]
+    rows = chunk(win.size_out, ctx.n, ctx.rank)
     reach = win.extra
     xw = _at_least(shifted(x, win, ctx.n, ctx.rank, ctx.group), reach + 1)
     y = torch.ops.aten.convolution.default(xw, w, bias, stride, [0], dilation, False, output_padding, groups)

@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from .._context import SpContext
 from .._graph import hint, is_attention, out_vals, tensor_inputs
-from ..propagate._placement import P, chunks, local_shape, redistribute_kind, shard_spec
+from ..propagate._placement import P, chunk, chunks, local_shape, redistribute_kind, shard_spec
 
 __all__ = ["Tiling", "TileGuard", "TileRunner", "plan_tiles", "MIN_TILE_ROWS", "MAX_TILES", "MOST_TILES", "SHAPE_ARG"]
 
@@ -211,10 +211,10 @@ def plan_tiles(
     if symbolic is not None:
         first = next(nd for nd, length in lengths.items() if length == seq)
         seq = next(v for v in out_vals(symbolic[first]) if v is not None).shape[cand[first]]
-    longest = chunks(seq, n)[0]  # the first rank's share
+    longest = chunk(seq, n, 0)  # the first rank's share
     if _tile_count(hint(longest), tiles, symbolic is not None) < 2:
         return None, None if symbolic is None else TileGuard(longest, 1, tiles)
-    rows = chunks(seq, n)[rank]
+    rows = chunk(seq, n, rank)
     nodes = {nd: d for nd, d in cand.items() if d is None or lengths[nd] == hint(seq)}
 
     def sharded_input(u: fx.Node, i: int, q) -> bool:

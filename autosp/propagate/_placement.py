@@ -18,6 +18,7 @@ import math
 import re
 from collections.abc import Iterable, Sequence
 
+from torch import sym_min
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
@@ -33,6 +34,9 @@ __all__ = [
     "shard_specs",
     "is_shard",
     "local_shape",
+    "chunk",
+    "chunk_start",
+    "even_split",
     "can_shard",
     "chunks",
     "offsets",
@@ -104,13 +108,47 @@ def offsets(cs: list[int]) -> list[int]:
     return [0, *itertools.accumulate(cs[:-1])]
 
 
+def chunk(block: int, n: int, i: int) -> int:
+    """``chunks(block, n)[i]``, without the other ranks' chunks: on a symbolic length each is an
+    expression the trace records, so a rank that reads only its own builds one, not ``n``."""
+    block = fixed(block)
+    if isinstance(block, int):
+        return block // n + (i < block % n)
+    if statically_known_true(block % n == 0):
+        return block // n
+    return (block - i + n - 1) // n
+
+
+def chunk_start(block: int, n: int, i: int) -> int:
+    """``offsets(chunks(block, n))[i]``, where rank i's chunk starts, in closed form: the chunks
+    before it are ``block // n`` rows each and one more for each of the first ``block % n``, so
+    ``i * (block // n) + min(i, block % n)`` (one expression where the sum was ``i``)."""
+    block = fixed(block)
+    if isinstance(block, int):
+        return i * (block // n) + min(i, block % n)
+    if i == 0:
+        return 0
+    if statically_known_true(block % n == 0):
+        return i * (block // n)
+    return i * (block // n) + sym_min(i, block % n)
+
+
+def even_split(block: int, n: int) -> bool:
+    """Whether a block splits into ``n`` equal chunks; a symbolic one only where the compile's
+    guards say it divides (``chunks``' equal chunks), without building the chunks."""
+    block = fixed(block)
+    if isinstance(block, int):
+        return block % n == 0
+    return statically_known_true(block % n == 0)
+
+
 def local_shape(shape: Sequence[int], p: Placement, n: int, rank: int = 0) -> list[int]:
     """The shape ``rank`` holds of a global tensor of ``shape`` placed as ``p``."""
     out = list(shape)
     spec = shard_spec(p)
     if spec is not None:
         d, sf = spec
-        out[d] = sf * chunks(out[d] // sf, n)[rank]
+        out[d] = sf * chunk(out[d] // sf, n, rank)
     return out
 
 

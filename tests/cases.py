@@ -1474,15 +1474,18 @@ def fsdp_exactness(
     reshard: bool = True,
     dtype: torch.dtype = torch.float64,
     as_module: bool = False,
+    offload: bool = False,
 ) -> dict:
     """FSDP2 (``fully_shard`` per block and on the model) under ``autosp.shard`` on a dp x sp mesh,
     parameters sharded ``over`` "dp", "sp", "hsdp" (the autosp mesh: sharded over sp, replicated
     over dp) or "world". Against one device on the same slices with DDP's averaging: each step's
     loss, the first step's gradients (gathered from their shards), the parameters after the AdamW
     steps; and the gathers that ran in the last step (forward and, resharded, backward).
-    ``as_module``: ``autosp.shard(model)`` instead of a step function."""
+    ``as_module``: ``autosp.shard(model)`` instead of a step function. ``offload``: FSDP2's
+    ``CPUOffloadPolicy`` (unpinned: no accelerator here), its shards and their gradients on the
+    host (``grads_on_host``)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
     from torch.distributed.tensor import DTensor
 
     torch.manual_seed(0)
@@ -1496,9 +1499,10 @@ def fsdp_exactness(
             "hsdp": lambda: m.device_mesh,
             "world": lambda: init_device_mesh("cpu", (dist.get_world_size(),)),
         }[over]()
+        policy = CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy()
         for block in model.blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, offload_policy=policy)
+        fully_shard(model, mesh=mesh, offload_policy=policy)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
         if as_module:  # autosp.shard(model): FSDP2's own hooks on the root must not run first

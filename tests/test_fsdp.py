@@ -11,16 +11,20 @@ import torch
 
 
 @pytest.mark.parametrize(
-    "kind,b,L,dp,over,reshard,as_module",
+    "kind,b,L,dp,over,reshard,as_module,offload",
     [
-        pytest.param("llama", 4, 64, 2, "dp", True, False, marks=pytest.mark.slow),  # sharded over dp, sp over sp
-        ("llama", 4, 64, 2, "hsdp", False, True),  # the autosp mesh: sharded over sp, replicated over dp;
-        # autosp.shard(model)
-        pytest.param("gpt", 4, 45, 1, "world", True, False, marks=pytest.mark.slow),  # every rank; tied embeddings
+        # sharded over dp, sp over sp
+        pytest.param("llama", 4, 64, 2, "dp", True, False, False, marks=pytest.mark.slow),
+        # the autosp mesh: sharded over sp, replicated over dp; autosp.shard(model); FSDP2's CPUOffloadPolicy
+        # (its shards and gradients on the host; here the host is the device, so the copies are not seen)
+        ("llama", 4, 64, 2, "hsdp", False, True, True),
+        pytest.param("llama", 4, 64, 2, "hsdp", False, True, False, marks=pytest.mark.slow),
+        pytest.param("gpt", 4, 45, 1, "world", True, False, False, marks=pytest.mark.slow),  # every rank; tied
     ],
 )
-def test_fsdp_step_matches_one_device(pools, kind, b, L, dp, over, reshard, as_module):
-    for r in pools(4).run(cases.fsdp_exactness, kind, b, L, dp, over, 2, reshard, torch.float64, as_module):
+def test_fsdp_step_matches_one_device(pools, kind, b, L, dp, over, reshard, as_module, offload):
+    args = (kind, b, L, dp, over, 2, reshard, torch.float64, as_module, offload)
+    for r in pools(4).run(cases.fsdp_exactness, *args):
         for loss, ref in r["losses"]:
             assert abs(loss - ref) <= 1e-5 * abs(ref), (loss, ref)  # llama's loss is fp32 (logits upcast)
         worst = max(r["grad_err"].items(), key=lambda kv: kv[1])

@@ -9,6 +9,12 @@ gathers it in the graph (``autosp::fsdp_gather``) and runs the user's function w
 parameters swapped for the gathered ones; FSDP2's forward hooks are suspended for the call. The
 optimizer then steps the sharded parameters, so its state is sharded too.
 
+With FSDP2's ``CPUOffloadPolicy`` the shards live in host memory: the step copies each to the
+device it is gathered on, in the graph, and the copy's gradient lands in the shard's ``.grad`` on
+the host, where the optimizer steps it (FSDP2's offload: parameters, gradients and optimizer state
+on the host). The plan's memory still counts those shards and gradients as device bytes
+(``autosp plan --cpu-offload`` places them on the host).
+
 The FSDP group may be the dp group, the sp group (with the autosp mesh itself given to
 ``fully_shard``: HSDP, replicated over dp) or every rank. Gradients are what the step's contract
 says (the sum over sp of the partial gradients, averaged over the dp replicas), each rank keeping
@@ -89,6 +95,9 @@ def _ranks(group) -> tuple[int, ...]:
 class _Param:
     param: DTensor
     args: GatherArgs
+    # FSDP2's ``CPUOffloadPolicy``: the shard lives in host memory and is gathered on this
+    # device (its gradient lands back on the host); None: it lives where it is gathered
+    device: torch.device | None = None
 
 
 @dataclass(frozen=True)
@@ -106,7 +115,7 @@ class FsdpParams:
 
     def call(self, shards, fn, args, kwargs):
         """``fn(*args, **kwargs)`` with the modules' parameters gathered from ``shards`` (traced)."""
-        fulls = [fsdp_gather(s, **p.args._asdict()) for s, p in zip(shards, self.params)]
+        fulls = [fsdp_gather(_on(s, p.device), **p.args._asdict()) for s, p in zip(shards, self.params)]
 
         def run(i: int):
             if i == len(self.tops):
@@ -149,6 +158,16 @@ class FsdpParams:
                 d.update(copy)
 
 
+def _on(shard: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """A host shard (FSDP2's ``CPUOffloadPolicy``) copied to the device it is gathered on, in the
+    graph, as FSDP2 copies it before its all-gather; the copy's gradient is the device gradient
+    copied back, so the shard's ``.grad`` is on the host, where FSDP2's offload leaves it and the
+    optimizer steps it."""
+    if device is None or shard.device == device:
+        return shard
+    return shard.to(device, non_blocking=True)
+
+
 def _hook_handles(state) -> list:
     """The removable handles of an FSDP2 state's forward hooks (a grouped state nests them)."""
     out, stack = [], [state._pre_forward_hook_handle, state._post_forward_hook_handle]
@@ -175,7 +194,7 @@ def _fsdp_error(name: str, what: str, fix: str) -> ValueError:
     return ValueError(f"autosp: FSDP2 parameter {name!r} {what}; {fix}")
 
 
-def _check(name: str, p: DTensor, pg, mp) -> int:
+def _check(name: str, p: DTensor, mp) -> int:
     """The mesh dim FSDP2 shards parameter ``p`` over; an error for what autosp does not run."""
     if mp.output_dtype is not None:
         raise _fsdp_error(
@@ -183,12 +202,6 @@ def _check(name: str, p: DTensor, pg, mp) -> int:
             f"has a mixed-precision policy with output_dtype ({mp})",
             "autosp runs FSDP2's param_dtype and reduce_dtype but casts no module "
             "outputs: drop output_dtype and cast where the model needs it",
-        )
-    if type(getattr(pg, "offload_policy", None)).__name__ == "CPUOffloadPolicy":
-        raise _fsdp_error(
-            name,
-            "is offloaded to the CPU (CPUOffloadPolicy)",
-            "autosp keeps shards where they are: drop offload_policy",
         )
     shard_dims = [i for i, q in enumerate(p.placements) if isinstance(q, Shard)]
     if (
@@ -225,10 +238,10 @@ def _outer(name: str, ranks: tuple[int, ...], mesh) -> str:
     )
 
 
-def _gather_args(fp, pg, mp, mesh, reshard: bool) -> GatherArgs:
+def _gather_args(fp, mp, mesh, reshard: bool) -> GatherArgs:
     p = fp.sharded_param
     name = f"{type(fp._module_info.module).__name__}.{fp._module_info.param_name}"
-    i = _check(name, p, pg, mp)
+    i = _check(name, p, mp)
     group = p.device_mesh.get_group(i)
     ranks = _ranks(group)
     d = p.placements[i].dim
@@ -244,6 +257,14 @@ def _gather_args(fp, pg, mp, mesh, reshard: bool) -> GatherArgs:
         reduce_dtype=mp.reduce_dtype or dtype,
         group=group.group_name,
     )
+
+
+def _offloaded_to(fp, pg) -> torch.device | None:
+    """The device an FSDP2 parameter offloaded to the host (``CPUOffloadPolicy``) is gathered on
+    (its param group's), or None where it is not offloaded."""
+    if not getattr(fp, "offload_to_cpu", False):
+        return None
+    return torch.device(pg.device)
 
 
 def find_fsdp(fn, mesh) -> FsdpParams | None:
@@ -268,7 +289,8 @@ def find_fsdp(fn, mesh) -> FsdpParams | None:
             for fp in pg.fsdp_params:
                 if id(fp.sharded_param) not in seen:
                     seen.add(id(fp.sharded_param))
-                    params.append(_Param(fp.sharded_param, _gather_args(fp, pg, st._mp_policy, mesh, reshard)))
+                    args = _gather_args(fp, st._mp_policy, mesh, reshard)
+                    params.append(_Param(fp.sharded_param, args, _offloaded_to(fp, pg)))
     names = []
     for top in tops:
         by_id: dict[int, list[str]] = {}

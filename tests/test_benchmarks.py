@@ -84,7 +84,7 @@ def test_compile_time_benchmark_runs_each_point_in_its_own_process():
     """``benchmarks.compile_time`` at its smallest: plain ``torch.compile`` and autosp's static and
     symbolic planning (blocks captured once, and each traced) of a 1-layer model on 2 fake ranks,
     each timed in a fresh process, the plan's phase times with it; a point past its timeout is
-    reported as such."""
+    reported as such; and the first step under Inductor, plain and autosp's on 2 gloo processes."""
     from benchmarks import compile_time
 
     got = {k: compile_time.run_point(k, 1, 2, 64, 64, 8, 600) for k in compile_time.KINDS}
@@ -94,3 +94,8 @@ def test_compile_time_benchmark_runs_each_point_in_its_own_process():
     late = compile_time.run_point("symbolic", 1, 2, 64, 64, 8, 1.0)
     assert late["seconds"] is None and late["why"] == "over 1 s", late
     assert "| 1 | 2 |" in compile_time.table([*got.values(), late])
+    # the first step under Inductor: plain, and autosp's defaults on 2 gloo processes (torchrun)
+    first = {k: compile_time.run_point(k, 1, 2, 64, 64, 8, 900) for k in compile_time.INDUCTOR_KINDS}
+    assert all(r["seconds"] is not None and r["seconds"] > 0 for r in first.values()), first
+    assert first["inductor"]["timings"]["compile"] > 0 and first["inductor"]["collectives"] > 0, first
+    assert "Inductor: autosp / plain" in compile_time.table([*got.values(), *first.values()])

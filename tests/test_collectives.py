@@ -77,8 +77,8 @@ def test_one_ranks_chunk_and_start_are_the_balanced_splits_in_closed_form():
 
     for n in (1, 2, 3, 4, 8, 64):
         for block in (0, 1, 3, n - 1, n, n + 1, 7 * n + 5, 1023, 1024):
-            cs = chunks(block, n)
-            assert [chunk(block, n, i) for i in range(n)] == cs
+            cs = [len(t) for t in torch.arange(block).tensor_split(n)]  # balanced, as autosp splits
+            assert chunks(block, n) == cs and [chunk(block, n, i) for i in range(n)] == cs
             assert [chunk_start(block, n, i) for i in range(n)] == offsets(cs)
             assert even_split(block, n) == (len(set(cs)) == 1)
     env = ShapeEnv()
@@ -89,7 +89,7 @@ def test_one_ranks_chunk_and_start_are_the_balanced_splits_in_closed_form():
         for i in (0, 1, n // 2, n - 1):
             rows, start = chunk(s, n, i), chunk_start(s, n, i)
             for length in (1, 5, 37, 64, 1000, 1023):
-                want = chunks(length, n)
+                want = [len(t) for t in torch.arange(length).tensor_split(n)]
                 got = [int(e.node.expr.subs(sym, length)) if isinstance(e, torch.SymInt) else e for e in (rows, start)]
                 assert got == [want[i], offsets(want)[i]], (n, i, length)
 

@@ -94,13 +94,7 @@ def chunks(block: int, n: int) -> list[int]:
     """How a block of ``block`` elements splits over ``n`` ranks (balanced): rank i holds
     ``ceil((block - i) / n)``, so the first ``block % n`` ranks hold one more. A symbolic block (a
     symbolic sequence length) gives symbolic chunks, with no guard on the length or its remainder."""
-    block = fixed(block)
-    if isinstance(block, int):
-        q, r = divmod(block, n)
-        return [q + (i < r) for i in range(n)]
-    if statically_known_true(block % n == 0):  # a compile guarded to lengths that divide
-        return [block // n] * n
-    return [(block - i + n - 1) // n for i in range(n)]
+    return [chunk(block, n, i) for i in range(n)]
 
 
 def offsets(cs: list[int]) -> list[int]:
@@ -114,7 +108,7 @@ def chunk(block: int, n: int, i: int) -> int:
     block = fixed(block)
     if isinstance(block, int):
         return block // n + (i < block % n)
-    if statically_known_true(block % n == 0):
+    if statically_known_true(block % n == 0):  # a compile guarded to lengths that divide
         return block // n
     return (block - i + n - 1) // n
 

@@ -95,6 +95,73 @@ def test_a_32_layer_model_captured_once_is_planned_as_traced_each(fake_world):
     assert str(once.checkpoint) == str(each.checkpoint) and once.memory == each.memory
 
 
+def _per_rank_signature(gm: fx.GraphModule) -> list[tuple]:
+    """Each per-rank node as what it is: op, arguments (nodes by position), shape, module stack and
+    forward/backward tag (what the partitioner and the checkpointing pass read)."""
+    at: dict[fx.Node, int] = {}
+    out = []
+    for i, nd in enumerate(gm.graph.nodes):
+        at[nd] = i
+
+        def token(a):
+            return ("node", at[a]) if isinstance(a, fx.Node) else a
+
+        v = nd.meta.get("val")
+        shape = (tuple(v.shape), v.stride(), v.dtype) if isinstance(v, torch.Tensor) else v
+        stack = tuple((nd.meta.get("nn_module_stack") or {}).values())
+        out.append(
+            (nd.op, nd.target, repr(fx.map_arg(nd.args, token)), repr(fx.map_arg(nd.kwargs, token)), str(shape))
+            + (repr(stack), nd.meta.get("partitioner_tag"))
+        )
+    return out
+
+
+@pytest.mark.parametrize("dynamic,L,kv_heads", [(False, 96, 4), (True, 95, 2)], ids=["static", "symbolic-uneven-gqa"])
+def test_alike_calls_are_planned_once_and_copied_as_a_full_trace_makes_them(
+    fake_world, monkeypatch, dynamic, L, kv_heads
+):
+    """The example Llama, 4 layers on 4 fake ranks (statically at 96 tokens; a symbolic length at 95,
+    which does not divide, with K/V heads fewer than the ranks): the solver plans every alike call
+    of the block alike, at the cost of the plan it made call by call (the same objective), and the
+    per-rank graph with the calls after the first copied from it (``partition._stamp``) is the one
+    tracing every call makes, node for node: ops, arguments, shapes, module stacks and forward or
+    backward. Most calls are copies (a call at the ends of the model may read its input otherwise
+    and is traced). Would catch a copy reading the template's input instead of its own, a copy
+    keeping the template's layer in its module stack, or alike layers planned apart."""
+    from autosp.backend import _backend
+    from autosp.partition import _localize
+    from autosp.propagate import _solver
+
+    fake_world(4)
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(heads=4, kv_heads=kv_heads, layers=4))
+    localize, stampers, pairs = _backend.localize, [], []
+    Stamper = _localize.Stamper
+
+    def both(graph, choice, inputs, ctx, **kw):
+        traced = _per_rank_signature(localize(graph, choice, inputs, ctx, stamp=False, **kw))
+        stamped = localize(graph, choice, inputs, ctx, **kw)
+        pairs.append((traced, _per_rank_signature(stamped)))
+        return stamped
+
+    def recorded(*a, **k):
+        stampers.append(Stamper(*a, **k))
+        return stampers[-1]
+
+    monkeypatch.setattr(_backend, "localize", both)
+    monkeypatch.setattr(_localize, "Stamper", recorded)
+    tied = _explain(model, 4, L, dynamic=dynamic)
+    monkeypatch.setattr(_solver, "_alike", lambda gm, c: [])
+    torch._dynamo.reset()
+    apart = _explain(model, 4, L, dynamic=dynamic)
+    assert tied.comm_bytes == apart.comm_bytes and tied.memory == apart.memory
+    assert _moved(tied) == _moved(apart)
+    traced, stamped = pairs[0]  # the tied plan's
+    assert len(traced) == len(stamped) and traced == stamped
+    # 8 calls (4 forward, 4 backward), the first of each traced
+    assert len(stampers[0].calls) == 8 and stampers[0].copied >= 4, stampers[0].copied
+
+
 def test_a_failed_capture_of_alike_blocks_falls_back_to_tracing_each(fake_world, monkeypatch):
     """Should torch's capture of the outlined blocks fail (before autosp's passes run), the step is
     captured again with every block traced, with a warning, and planned as it would have been."""

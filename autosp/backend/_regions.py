@@ -37,7 +37,7 @@ import torch.fx as fx
 from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from ..partition._checkpoint import _region, _repeated_blocks
+from .._repeats import REGION, block_of, repeated_blocks
 
 __all__ = ["outline_blocks", "inline_regions", "is_region_joint", "schema_once", "graph_copy"]
 
@@ -88,9 +88,12 @@ def _sites(gm: fx.GraphModule) -> dict:
     }
 
 
-def _inline(gm: fx.GraphModule, call: fx.Node, site: dict | None, attrs: dict) -> None:
-    """One ``invoke_subgraph`` call replaced by a copy of its subgraph."""
+def _inline(gm: fx.GraphModule, call: fx.Node, site: dict | None, attrs: dict, region: tuple) -> None:
+    """One ``invoke_subgraph`` call replaced by a copy of its subgraph, each node tagged with
+    ``region`` (``_stamp.REGION``: the subgraph and the call; a call inside an inlined one keeps
+    its outer call's)."""
     sub = getattr(gm, call.args[0].target)
+    region = call.meta.get(REGION, region)
     env = dict(zip(sub.graph.find_nodes(op="placeholder"), call.args[2:], strict=True))
     graph = gm.graph
     with graph.inserting_before(call):
@@ -123,6 +126,7 @@ def _inline(gm: fx.GraphModule, call: fx.Node, site: dict | None, attrs: dict) -
                 copy.meta["nn_module_stack"] = stack
             if "partitioner_tag" in call.meta:
                 copy.meta["partitioner_tag"] = call.meta["partitioner_tag"]
+            copy.meta[REGION] = region
             env[nd] = copy
     for user in list(call.users):
         if user.op != "call_function" or user.target is not operator.getitem:
@@ -137,12 +141,14 @@ def _inline(gm: fx.GraphModule, call: fx.Node, site: dict | None, attrs: dict) -
 def inline_regions(gm: fx.GraphModule) -> int:
     """Every ``invoke_subgraph`` call in ``gm`` (and in the regions it calls) replaced by a copy of
     its subgraph; the number of calls inlined. Mutates ``gm``."""
-    count, attrs = 0, {}
+    count, attrs, ordinals = 0, {}, {}
     while calls := gm.graph.find_nodes(op="call_function", target=invoke_subgraph):
         sites = _sites(gm)
         for call in calls:
             site = sites.get((call.meta.get("custom") or {}).get("call_id")) or call.meta.get("nn_module_stack")
-            _inline(gm, call, site, attrs)
+            name = call.args[0].target
+            ordinals[name] = ordinals.get(name, -1) + 1
+            _inline(gm, call, site, attrs, (name, ordinals[name]))
         count += len(calls)
     if count:
         for nd in gm.graph.find_nodes(op="get_attr"):
@@ -261,10 +267,10 @@ class _Block:
 def _blocks(gm: fx.GraphModule) -> list[_Block]:
     """The repeated blocks of Dynamo's graph whose ops are contiguous and can be shared."""
     calls = [nd for nd in gm.graph.nodes if nd.op in _CALLS or nd.op in ("call_module", "get_attr")]
-    names = _repeated_blocks(calls)
+    names = repeated_blocks(calls)
     where: dict[str, list[int]] = {}
     for i, nd in enumerate(calls):
-        fqn = _region(nd, names)
+        fqn = block_of(nd, names)
         if fqn is not None:
             where.setdefault(fqn, []).append(i)
     found = []

@@ -45,7 +45,6 @@ import functools
 import logging
 import math
 import operator
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -59,6 +58,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from .._context import check_policy
 from .._devices import device as accelerator
 from .._graph import graph_module, hint, is_attention, is_attention_backward, op_args, out_bytes, out_vals
+from .._repeats import block_of, repeated_blocks
 from ..errors import PlanError
 from ..propagate._flex import FLEX_BACKWARD, flex_args, is_flex
 from ._fsdp import GATHER as _FSDP_GATHER
@@ -108,10 +108,6 @@ RUNGS = 5  # rungs between "none" and "full", at quantiles of the ops' cost per 
 
 aten = torch.ops.aten
 log = logging.getLogger("autosp")
-# a module reached by indexing a container: "model.layers.3", "L['self'].model.layers[3]",
-# "getattr(L['fsdp'].tops[0].blocks, '3')" (how Dynamo names it under a swapped-parameter call)
-_LAYER = re.compile(r"(?:\.\d+|\[\d+\]|, '\d+'\))$")
-
 Tags = dict[str, CheckpointPolicy]  # node name -> recompute tag
 
 
@@ -278,39 +274,6 @@ def select(policy, rungs: list[Rung], peaks: list[int] | None = None) -> Rung:
     return fits[0]
 
 
-def _region(nd: fx.Node, blocks: set[str]) -> str | None:
-    """The repeated block a forward node belongs to, outermost first: an item of a ModuleList, or
-    one of ``blocks`` (``_repeated_blocks``)."""
-    for fqn, _ in (nd.meta.get("nn_module_stack") or {}).values():
-        if _LAYER.search(fqn) or fqn in blocks:
-            return fqn
-    return None
-
-
-def _parent(fqn: str) -> str:
-    """The module that holds ``fqn`` as an attribute or an item, as Dynamo names them."""
-    held = re.fullmatch(r"getattr\((.*), '[^']*'\)", fqn)
-    return held.group(1) if held else re.sub(r"(?:\.\w+|\[[^\]]*\])$", "", fqn)
-
-
-def _repeated_blocks(nodes) -> set[str]:
-    """Modules that are blocks whatever they are called: two or more of one class held by the
-    same module (``self.first`` and ``self.second`` as well as a ModuleList's items), each with
-    modules of its own (not sibling leaves, such as a q and a k projection)."""
-    classes: dict[str, object] = {}
-    holders: set[str] = set()
-    for nd in nodes:
-        stack = list((nd.meta.get("nn_module_stack") or {}).values())
-        for i, (fqn, cls) in enumerate(stack):
-            classes[fqn] = cls
-            if i:
-                holders.add(stack[i - 1][0])
-    siblings: dict[tuple[str, object], list[str]] = {}
-    for fqn, cls in classes.items():
-        siblings.setdefault((_parent(fqn), str(cls)), []).append(fqn)
-    return {fqn for group in siblings.values() if len(group) > 1 for fqn in group if fqn in holders}
-
-
 def _attention_flops(nd: fx.Node, read: Callable = hint) -> float:
     """torch's flop counter has no formula for the CPU attention kernels: 4·B·H·Sq·Sk·D forward
     (half of it causal; FlexAttention's whole, its block sparsity being data), 2.5 times that
@@ -380,8 +343,8 @@ def _forward_ops(gm: fx.GraphModule) -> dict[fx.Node, str]:
     forward = [
         nd for nd in gm.graph.nodes if nd.op == "call_function" and nd.meta.get("partitioner_tag") == "is_forward"
     ]
-    blocks = _repeated_blocks(forward)
-    return {nd: region for nd in forward if (region := _region(nd, blocks)) is not None}
+    blocks = repeated_blocks(forward)
+    return {nd: region for nd in forward if (region := block_of(nd, blocks)) is not None}
 
 
 def _head_ops(gm: fx.GraphModule, fwd: dict[fx.Node, str]) -> list[fx.Node]:

@@ -46,6 +46,7 @@ from ._outputs import output_specs, place_outputs
 from ._random import dropout_call
 from ._scatter import OWN_ROWS_KERNELS
 from ._shift import HALO_KERNELS
+from ._stamp import Lazy, Stamper
 from ._tiling import SHAPE_ARG, TileRunner, Tiling
 
 __all__ = ["Localizer", "localize", "OVERRIDES"]
@@ -106,15 +107,35 @@ class Localizer(fx.Interpreter):
     ``tiling``, its ops run tile by tile (``_tiling.TileRunner``)."""
 
     def __init__(
-        self, joint: fx.GraphModule, plan: dict[fx.Node, Strategy], ctx: SpContext, tiling: Tiling | None = None
+        self,
+        joint: fx.GraphModule,
+        plan: dict[fx.Node, Strategy],
+        ctx: SpContext,
+        tiling: Tiling | None = None,
+        stamp: bool = True,
     ):
         super().__init__(joint, garbage_collect_values=False)
         self.extra_traceback = False  # autosp's errors say where they come from
         self.plan, self.ctx = plan, ctx
         self.moved: dict[tuple, torch.Tensor] = {}  # (node, output, placement) -> its all-to-all
         self.tiles = TileRunner(self, tiling) if tiling is not None else None
+        # repeated blocks' per-rank nodes copied from their first call's (untiled graphs)
+        self.stamps = Stamper(self, joint.graph) if stamp and tiling is None else None
 
     def run_node(self, nd: fx.Node):
+        stamps = self.stamps
+        if stamps is None:
+            return self._run_node(nd)
+        if stamps.run(nd):  # a copied call's node
+            return self.env[nd]
+        if stamps.recording is None:
+            return self._run_node(nd)
+        before = stamps.last()
+        value = self._run_node(nd)
+        stamps.ran(nd, before, value)
+        return value
+
+    def _run_node(self, nd: fx.Node):
         if self.tiles is not None and self.tiles.defers(nd):
             return _DEFERRED
         # the per-rank nodes keep their global node's meta (module stack, forward/backward tag):
@@ -137,6 +158,8 @@ class Localizer(fx.Interpreter):
     def value(self, u: fx.Node, i: int):
         """Output i of node u on this rank, as planned."""
         v = self.env[u]
+        if isinstance(v, Lazy):  # a copied call's value (``_stamp``)
+            v = self.env[u] = self.stamps.value(v)
         if v is _DEFERRED:  # a tiled op read untiled
             with fx.traceback.set_current_meta(u):
                 v = self.env[u] = self.tiles.joined(u)
@@ -151,6 +174,8 @@ class Localizer(fx.Interpreter):
         ctx, p = self.ctx, self.plan[u].outs[i]
         key = (u, i, q)
         if key in self.moved:
+            if isinstance(self.moved[key], Lazy):
+                self.moved[key] = self.stamps.value(self.moved[key])
             return self.moved[key]
         op = padded_lse(u, i)
         if op is not None and p != q:  # the solver never plans it (``_solver._add_edge``)
@@ -203,7 +228,10 @@ class Localizer(fx.Interpreter):
 
         def sub(a):
             if isinstance(a, fx.Node):
-                return next(it) if isinstance(a.meta.get("val"), torch.Tensor) else self.env[a]
+                if isinstance(a.meta.get("val"), torch.Tensor):
+                    return next(it)
+                v = self.env[a]
+                return self.stamps.value(v) if isinstance(v, Lazy) else v
             return a
 
         return tree_map(sub, nd.args), tree_map(sub, nd.kwargs)
@@ -217,16 +245,19 @@ def localize(
     *,
     num_fwd_outputs: int,
     tiling: Tiling | None = None,
+    stamp: bool = True,
 ) -> fx.GraphModule:
     """The per-rank joint graph of ``joint`` under the plan ``choice``: its ops on this rank's
-    shards (tiled along the sequence with ``tiling``), its outputs as one device's."""
+    shards (tiled along the sequence with ``tiling``), its outputs as one device's. With
+    ``stamp``, a repeated block's call that runs as its first is a copy of its per-rank nodes
+    (``_stamp``), not traced again."""
     plan = choice.strategy
     outputs = output_specs(joint, plan, num_fwd_outputs)
 
     # the arguments' names make the placeholders' (primals_*, tangents_*): the partitioner reads them
     def run(primals, tangents):
         # flat inputs and outputs, as the partitioner sees the joint graph (not its pytree codegen's)
-        values = Localizer(joint, plan, ctx, tiling).run(*primals, *tangents, enable_io_processing=False)
+        values = Localizer(joint, plan, ctx, tiling, stamp).run(*primals, *tangents, enable_io_processing=False)
         return place_outputs(values, outputs, ctx)
 
     # size-oblivious on the lengths: torch's contiguity and size-1 checks on a rank's piece of a

@@ -23,6 +23,7 @@ Replicate). Each flow costs its collective's bytes; an all-to-all's bytes are on
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +35,7 @@ from scipy.sparse import coo_array
 from .._attention_ops import padded_lse
 from .._context import Kernel, SpContext
 from .._graph import nbytes, out_vals, tensor_inputs
+from .._repeats import calls
 from ..errors import PlanError, UnsupportedOpError, module_path
 from ._annotate import ANNOTATE
 from ._dtensor import DISPATCH_OPS
@@ -46,6 +48,7 @@ __all__ = ["Choice", "solve"]
 
 SEQ_WEIGHT = 64.0  # how much more a byte along the sequence weighs (see the module docstring)
 LATENCY_BYTES = 1e4  # what one collective costs beyond its bytes
+TIE_BYTES = 1e-3  # a strategy's tie-break cost per place in its node's list (``_tie_break``)
 _NO_RULE_PENALTY = 1e18  # a collective into an op without a rule, on integer or bool data
 
 
@@ -107,8 +110,13 @@ class _Program:
         integrality = np.zeros(len(self.cost))
         integrality[:integer] = 1
         rhs = np.array(self.rhs)
+        # proven optimal (HiGHS stops within 1e-4 of it by default): the tie-break below decides
         res = milp(
-            np.array(self.cost), integrality=integrality, bounds=(0, 1), constraints=LinearConstraint(A, rhs, rhs)
+            np.array(self.cost),
+            integrality=integrality,
+            bounds=(0, 1),
+            constraints=LinearConstraint(A, rhs, rhs),
+            options={"mip_rel_gap": 0.0},
         )
         if res.x is None:
             raise PlanError(
@@ -228,6 +236,49 @@ def _kernel_cost(s: Strategy, mem_weight: float) -> float:
     return (s.comm + mem_weight * s.held) * SEQ_WEIGHT
 
 
+def _alike(gm: fx.GraphModule, c: Candidates) -> list[tuple[fx.Node, fx.Node]]:
+    """Pairs of nodes that take the same strategy: each node of a repeated block's call and its
+    counterpart in the first call of the same ops on the same shapes (``_repeats``), where every
+    node of the two has the same candidates. A repeated block is then planned once, whatever
+    its depth: the same collectives in every layer (not an equally cheap mix the solver happens
+    to pick, which the per-rank graph would have to trace call by call, ``partition._stamp``)."""
+    first: dict[tuple, list[fx.Node]] = {}
+    pairs = []
+    for call in calls(gm.graph):
+        nodes = [nd for nd in call.nodes if nd in c.strategies]
+        ref = first.setdefault((call.name, call.signature), nodes)
+        if ref is not nodes and all(c.strategies[a] == c.strategies[b] for a, b in zip(nodes, ref, strict=True)):
+            pairs += zip(nodes, ref, strict=True)
+    return pairs
+
+
+def _tie_break(gm: fx.GraphModule, nodes: list[fx.Node]) -> dict[fx.Node, float]:
+    """Each node's tie-break weight: its k-th strategy costs k times it more. Plans of the same
+    cost are common (a rotary embedding on q before the all-to-all and on k after it, or the
+    other way round), and the solver took any, so the same model captured otherwise (its blocks
+    traced each, not once) was planned otherwise, with another checkpointing ladder. The weight
+    is ``TIE_BYTES`` times 1 to 2, from the node's op and its place among the ops of the same
+    target in its repeated block's call (or outside the calls): what does not change with how the
+    graph was captured. At most a few bytes over a whole graph: below any difference in what a
+    plan moves or keeps."""
+    where: dict[fx.Node, tuple] = {}
+    for call in calls(gm.graph):
+        seen: dict[str, int] = {}
+        for nd in call.nodes:
+            t = str(nd.target)
+            seen[t] = seen.get(t, 0) + 1
+            where[nd] = (t, seen[t])
+    seen = {}
+    weight = {}
+    for nd in nodes:
+        if nd not in where:
+            t = str(nd.target)
+            seen[t] = seen.get(t, 0) + 1
+            where[nd] = ("outside", t, seen[t])
+        weight[nd] = TIE_BYTES * (1 + zlib.crc32(repr(where[nd]).encode()) % 997 / 997)
+    return weight
+
+
 def solve(gm: fx.GraphModule, c: Candidates, ctx: SpContext) -> Choice:
     """One strategy per node of ``gm`` from its candidates ``c``, for the least cost of the whole
     graph (see the module docstring); raises ``PlanError`` where no exact plan exists."""
@@ -238,9 +289,11 @@ def solve(gm: fx.GraphModule, c: Candidates, ctx: SpContext) -> Choice:
     nodes = [nd for nd in gm.graph.nodes if nd in c.strategies]
     prog = _Program()
     choose: dict[fx.Node, list[int]] = {}  # node -> its strategies' variables
+    tie = _tie_break(gm, nodes)
     for nd in nodes:
         choose[nd] = [
-            prog.var(mem_weight * _out_bytes(c, nd, s, n) + _kernel_cost(s, mem_weight)) for s in c.strategies[nd]
+            prog.var(mem_weight * _out_bytes(c, nd, s, n) + _kernel_cost(s, mem_weight) + tie[nd] * k)
+            for k, s in enumerate(c.strategies[nd])
         ]
     for nd in nodes:
         if not c.strategies[nd]:
@@ -250,6 +303,9 @@ def solve(gm: fx.GraphModule, c: Candidates, ctx: SpContext) -> Choice:
                 "annotate its inputs with autosp.annotate to pin a layout",
             )
         prog.equal([(x, 1.0) for x in choose[nd]], 1.0)
+    for a, b in _alike(gm, c):  # alike calls of a repeated block choose alike
+        for x, y in zip(choose[a], choose[b], strict=True):
+            prog.equal([(x, 1.0), (y, -1.0)], 0.0)
     n_choices = len(prog.cost)
     out_node = gm.graph.output_node()
     shared: dict = {}

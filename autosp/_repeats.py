@@ -107,23 +107,26 @@ def _module_key(nodes: list[fx.Node]):
     by_seq: dict[int, set] = {}
     for nd in ops:
         if nd.meta.get("partitioner_tag") != "is_backward" and "seq_nr" in nd.meta:
-            by_seq.setdefault(nd.meta["seq_nr"], set()).add(block_of(nd, names))
+            by_seq.setdefault(nd.meta["seq_nr"], set()).add(_block_and_class(nd, names))
 
     def key(nd: fx.Node) -> tuple | None:
         if nd.op != "call_function":
             return None
-        fqn, node = block_of(nd, names), nd
+        fqn, cls = _block_and_class(nd, names)
         tag = nd.meta.get("partitioner_tag")
         if fqn is None and tag == "is_backward":
             forward = by_seq.get(nd.meta.get("seq_nr"), set())
-            fqn = next(iter(forward)) if len(forward) == 1 else None
+            fqn, cls = next(iter(forward)) if len(forward) == 1 else (None, None)
         if fqn is None:
             return None
-        stack = node.meta.get("nn_module_stack") or {}
-        cls = dict(stack.values()).get(fqn)
         return (f"{getattr(cls, '__qualname__', cls)} {tag}", fqn, tag)
 
     return key
+
+
+def _block_and_class(nd: fx.Node, names: set[str]) -> tuple[str | None, object]:
+    fqn = block_of(nd, names)
+    return fqn, dict((nd.meta.get("nn_module_stack") or {}).values()).get(fqn) if fqn else None
 
 
 def block_of(nd: fx.Node, blocks: set[str]) -> str | None:

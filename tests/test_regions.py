@@ -96,22 +96,28 @@ def test_a_32_layer_model_captured_once_is_planned_as_traced_each(fake_world):
 
 
 def _per_rank_signature(gm: fx.GraphModule) -> list[tuple]:
-    """Each per-rank node as what it is: op, arguments (nodes by position), shape, module stack and
-    forward/backward tag (what the partitioner and the checkpointing pass read)."""
+    """Each per-rank node as what it is: op, arguments (nodes by position), shape, module stack,
+    forward/backward tag (what the partitioner and the checkpointing pass read), and the first
+    node whose fake value shares its storage (a later trace of the graph, Inductor's, reads two
+    nodes with one fake value as one tensor)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
     at: dict[fx.Node, int] = {}
+    storages: dict = {}
     out = []
     for i, nd in enumerate(gm.graph.nodes):
         at[nd] = i
+        v = nd.meta.get("val")
+        alias = storages.setdefault(StorageWeakRef(v.untyped_storage()), i) if isinstance(v, torch.Tensor) else None
 
         def token(a):
             return ("node", at[a]) if isinstance(a, fx.Node) else a
 
-        v = nd.meta.get("val")
         shape = (tuple(v.shape), v.stride(), v.dtype) if isinstance(v, torch.Tensor) else v
         stack = tuple((nd.meta.get("nn_module_stack") or {}).values())
         out.append(
             (nd.op, nd.target, repr(fx.map_arg(nd.args, token)), repr(fx.map_arg(nd.kwargs, token)), str(shape))
-            + (repr(stack), nd.meta.get("partitioner_tag"))
+            + (repr(stack), nd.meta.get("partitioner_tag"), alias)
         )
     return out
 
@@ -127,7 +133,9 @@ def test_alike_calls_are_planned_once_and_copied_as_a_full_trace_makes_them(
     tracing every call makes, node for node: ops, arguments, shapes, module stacks and forward or
     backward. Most calls are copies (a call at the ends of the model may read its input otherwise
     and is traced). Would catch a copy reading the template's input instead of its own, a copy
-    keeping the template's layer in its module stack, or alike layers planned apart."""
+    keeping the template's layer in its module stack or sharing its fake values (Inductor's
+    retrace then read two layers' saved activations as one: wrong gradients), or alike layers
+    planned apart."""
     from autosp.backend import _backend
     from autosp.partition import _localize
     from autosp.propagate import _solver

@@ -17,9 +17,10 @@ first backward call, whose input is the loss's gradient) is traced and becomes a
 A call is traced where its template read a value that cannot be named as one of its inputs (or
 an all-to-all made for one), or made an all-to-all the call would find made already.
 
-A copied call's values are made only when an op that is traced reads them (``Lazy``): fresh fake
-tensors of the template's shapes, tracked as the copies' outputs. Sizes (expressions of the
-lengths) are the same in every call: the copies read the template's.
+Each copied node has its own fake value, of the template's shape, strides and storage offset,
+aliasing as the template's did (``_like``); a copied call's values are tracked as the copies'
+outputs when an op that is traced reads them (``Lazy``). Sizes (expressions of the lengths) are
+the same in every call: the copies read the template's.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from torch.fx.experimental.proxy_tensor import (
     get_proxy_slot,
     track_tensor_tree,
 )
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_map
 
 from .._repeats import Call, calls
@@ -215,6 +217,8 @@ class Stamper:
                 return False
             keys[(u, i, q)] = v
         copies: dict[fx.Node, fx.Node] = {}
+        # a template value's storage -> a tensor of the copy's on the storage that stands for it
+        storages: dict[StorageWeakRef, torch.Tensor] = {}
         for a, names in t.reads.items():
             got = set()
             for name in names:
@@ -235,6 +239,8 @@ class Stamper:
             if len(got) != 1:
                 return False
             copies[a] = got.pop()
+            if isinstance(a.meta.get("val"), torch.Tensor):
+                storages.setdefault(_storage(a.meta["val"]), self.made[copies[a]])
         graph = self._graph()
         for nd, index in t.added:
             if _is_sym(nd):  # a size: an expression of the lengths, the same in every call
@@ -244,6 +250,9 @@ class Stamper:
             own = block.nodes[index].meta
             c.meta = {k: v for k, v in nd.meta.items() if k not in _FIELDS}
             c.meta.update((k, copy.copy(own[k])) for k in _FIELDS if k in own)
+            # its own fake value: one object shared by two nodes would be one tensor to a later
+            # trace of the graph (Inductor's retrace: two saved activations read as one)
+            c.meta["val"] = tree_map(lambda x: _like(x, storages), nd.meta.get("val"))
             copies[nd] = c
         for g, v in zip(block.nodes, t.values, strict=True):
             interp.env[g] = Lazy(copies, v) if _has_tensor(v) else v
@@ -267,13 +276,33 @@ class Stamper:
                 return x
             if c in self.made:
                 return self.made[c]
-            with disable_proxy_modes_tracing():
-                y = x.new_empty_strided(x.shape, x.stride())
+            y = c.meta["val"]
             track_tensor_tree(y, fx.Proxy(c, tracer), constant=None, tracer=tracer)
             self.made[c] = y
             return y
 
         return tree_map(make, v.value)
+
+
+def _storage(x: torch.Tensor) -> StorageWeakRef:
+    return StorageWeakRef(x.untyped_storage())
+
+
+def _like(x, storages: dict) -> object:
+    """A fake tensor of ``x``'s shape, strides and offset for a copy, on the storage that stands for
+    ``x``'s in the copy (a view of a copied value, or of a value the copy read, is a view of the
+    copy's), or on a new one of the same size: the template's aliasing, the copy's tensors."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    key = _storage(x)
+    with disable_proxy_modes_tracing():
+        base = storages.get(key)
+        if base is None:
+            size = x.untyped_storage().nbytes() // x.element_size()
+            base = storages[key] = x.new_empty_strided((size,), (1,))
+        if base.dtype != x.dtype:  # a view as another dtype: its own storage
+            return x.new_empty_strided(x.shape, x.stride())
+        return base.as_strided(x.shape, x.stride(), x.storage_offset())
 
 
 def _last(graph: fx.Graph) -> fx.Node:

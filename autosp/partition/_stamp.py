@@ -30,6 +30,8 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch._dispatch.python import no_python_dispatcher
+from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
 from torch.fx.experimental.proxy_tensor import (
     disable_proxy_modes_tracing,
     get_proxy_mode,
@@ -42,6 +44,8 @@ from torch.utils._pytree import tree_map
 from .._repeats import Call, calls
 
 __all__ = ["Lazy", "Stamper"]
+
+aten = torch.ops.aten
 
 # meta a per-rank node takes from the global node it was traced for (``fx.traceback``'s current
 # meta): a copy takes its own call's
@@ -291,18 +295,26 @@ def _storage(x: torch.Tensor) -> StorageWeakRef:
 def _like(x, storages: dict) -> object:
     """A fake tensor of ``x``'s shape, strides and offset for a copy, on the storage that stands for
     ``x``'s in the copy (a view of a copied value, or of a value the copy read, is a view of the
-    copy's), or on a new one of the same size: the template's aliasing, the copy's tensors."""
-    if not isinstance(x, torch.Tensor):
+    copy's), or on a new one of the same size: the template's aliasing, the copy's tensors. Made
+    by the meta kernels directly, as torch's fake ``detach`` is (a fake tensor op with symbolic
+    sizes costs about a millisecond)."""
+    if not isinstance(x, FakeTensor):
         return x
     key = _storage(x)
-    with disable_proxy_modes_tracing():
-        base = storages.get(key)
-        if base is None:
+    base = storages.get(key)
+    mode = x.fake_mode
+    with disable_proxy_modes_tracing(), no_python_dispatcher(), in_kernel_invocation_manager(mode):
+        offset = x.storage_offset()
+        if base is None and isinstance(offset, int) and offset == 0:  # an op's own output, as a rule
+            out = storages[key] = aten.empty_strided.default(x.shape, x.stride(), dtype=x.dtype, device="meta")
+        elif base is None or base.dtype != x.dtype:  # a view of a storage not seen, or as another dtype
             size = x.untyped_storage().nbytes() // x.element_size()
-            base = storages[key] = x.new_empty_strided((size,), (1,))
-        if base.dtype != x.dtype:  # a view as another dtype: its own storage
-            return x.new_empty_strided(x.shape, x.stride())
-        return base.as_strided(x.shape, x.stride(), x.storage_offset())
+            base = aten.empty_strided.default((size,), (1,), dtype=x.dtype, device="meta")
+            storages.setdefault(key, base)
+            out = aten.as_strided.default(base, x.shape, x.stride(), offset)
+        else:
+            out = aten.as_strided.default(base, x.shape, x.stride(), offset)
+    return FakeTensor(mode, out, x.device)
 
 
 def _last(graph: fx.Graph) -> fx.Node:

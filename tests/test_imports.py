@@ -1,6 +1,6 @@
 """autosp's modules import down the stack only, and no module imports itself back through
 others: annotations -> backend -> partition -> propagate -> the leaves (_graph, _attention_ops,
-_lengths, _context, _devices, errors). Read from the source (every import statement,
+_lengths, _context, _devices, _repeats, errors). Read from the source (every import statement,
 function-level ones included), so a lazy import that dodges a cycle at run time is caught too."""
 
 import ast
@@ -15,6 +15,7 @@ LAYERS = [
         "autosp._lengths",
         "autosp._context",
         "autosp._devices",
+        "autosp._repeats",
         "autosp.errors",
     ),
     ("autosp.propagate",),

@@ -148,10 +148,8 @@ class Stamper:
         return self.tracer.graph
 
     def _proxy_node(self, v) -> fx.Node | None:
-        try:
-            return get_proxy_slot(v, self.tracer).proxy.node
-        except (KeyError, AttributeError):
-            return None
+        slot = get_proxy_slot(v, self.tracer, None) if isinstance(v, torch.Tensor) else None
+        return None if slot is None else slot.proxy.node
 
     def _reads(self, t: _Template, moved_before: set) -> bool:
         """Names the per-rank nodes from before the template that its nodes read, and the
@@ -181,7 +179,9 @@ class Stamper:
             t.moved.append(((where, i, q), moved[key]))
         # what the added nodes read, and the values the call leaves (a value passed through is
         # a node from before it)
-        leaves = [x for v in t.values for x in _tensors(v)] + [v for _, v in t.moved]
+        # (a real tensor an op returned, untracked: a CUDA kernel's empty RNG state, the same in
+        # every call)
+        leaves = [x for v in t.values for x in _tensors(v) if isinstance(x, FakeTensor)] + [v for _, v in t.moved]
         read = [a for nd, _ in t.added for a in nd.all_input_nodes] + [self._proxy_node(x) for x in leaves]
         for a in read:
             if a is None:

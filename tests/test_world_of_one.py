@@ -36,13 +36,16 @@ def test_world_of_one_runs_no_collective_and_no_more_work(pools):
     """Counted by torch.profiler: no gloo collective runs in a step; its FLOPs are one device's
     within 0.1% (the "auto" rung at this length recomputes nothing; measured +0.05%, the
     profiler's count of elementwise ops that differ: the decomposed cross-entropy's), and it
-    saves no more bytes for the backward."""
-    r = pools(1).run(cases.world_of_one_work, "llama", 2, 96)[0]
+    saves no more bytes for the backward than one device but the decomposed cross-entropy's mask
+    of the labels it counts (one bool a token, 192 bytes here; torch's fused ``nll_loss`` keeps
+    none)."""
+    b, L = 2, 96
+    r = pools(1).run(cases.world_of_one_work, "llama", b, L)[0]
     assert r["planned"] and r["rows"] == 0 and r["gloo"] == [], r
     flops, single = r["flops"]
     assert single <= flops <= 1.001 * single, r
     saved, single_saved = r["saved"]
-    assert saved <= single_saved, r
+    assert saved <= single_saved + b * L, r
 
 
 def test_world_of_one_checkpoints_tiles_and_offloads_exact(pools):

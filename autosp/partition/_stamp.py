@@ -305,7 +305,7 @@ def _like(x, storages: dict) -> object:
     mode = x.fake_mode
     with disable_proxy_modes_tracing(), no_python_dispatcher(), in_kernel_invocation_manager(mode):
         offset = x.storage_offset()
-        if base is None and isinstance(offset, int) and offset == 0:  # an op's own output, as a rule
+        if base is None and not x._is_view() and isinstance(offset, int) and offset == 0:  # an op's own output
             out = storages[key] = aten.empty_strided.default(x.shape, x.stride(), dtype=x.dtype, device="meta")
         elif base is None or base.dtype != x.dtype:  # a view of a storage not seen, or as another dtype
             size = x.untyped_storage().nbytes() // x.element_size()

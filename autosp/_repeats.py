@@ -22,8 +22,6 @@ _LAYER = re.compile(r"(?:\.\d+|\[\d+\]|, '\d+'\))$")
 
 # meta key of a node inlined from a repeated block's call: (the subgraph's name, the call's ordinal)
 REGION = "autosp_region"
-# meta key of a node inlined from a repeated block's call: (the subgraph's name, the call's ordinal)
-REGION = "autosp_region"
 
 
 @dataclasses.dataclass

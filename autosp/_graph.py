@@ -14,7 +14,6 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode
 from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_known_true
 from torch.fx.operator_schemas import normalize_function
-from torch.utils._pytree import tree_flatten
 from torch.utils._sympy.functions import CeilToInt, FloorDiv, FloorToInt, IntTrueDiv
 from torch.utils._sympy.interp import sympy_interp
 from torch.utils._sympy.reference import PythonReferenceAnalysis
@@ -173,8 +172,9 @@ def tensor_inputs(node: fx.Node) -> list[tuple[fx.Node, int]]:
     """Each tensor-valued input occurrence as (producer, output index), in argument order."""
     if node.target is operator.getitem:
         return [(node.args[0], node.args[1])]
-    leaves, _ = tree_flatten((node.args, node.kwargs))
-    return [(a, 0) for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+    read: list[fx.Node] = []
+    fx.node.map_arg((node.args, node.kwargs), read.append)  # in argument order (torch's C++ walk: 30x a pytree's)
+    return [(a, 0) for a in read if isinstance(a.meta.get("val"), torch.Tensor)]
 
 
 def op_args(node: fx.Node) -> dict[str, Any]:

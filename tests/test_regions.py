@@ -170,6 +170,81 @@ def test_alike_calls_are_planned_once_and_copied_as_a_full_trace_makes_them(
     assert len(stampers[0].calls) == 8 and stampers[0].copied >= 4, stampers[0].copied
 
 
+def _propagated_both_ways(monkeypatch) -> list:
+    """Every propagation of the compiles that follow, run twice: as the backend runs it (an alike
+    call's candidates taken from an earlier call's) and visiting every node (no calls found); the
+    pairs, and the nodes each visited."""
+    from autosp.backend import _backend
+    from autosp.propagate import _propagate
+
+    real, visit, pairs = _backend.propagate, _propagate._visit, []
+
+    def both(gm, ctx):
+        seen = []
+        monkeypatch.setattr(_propagate, "_visit", lambda c, node, *a: seen.append(node) or visit(c, node, *a))
+        got, took = real(gm, ctx), len(seen)
+        monkeypatch.setattr(_propagate, "calls", lambda graph: [])
+        each = real(gm, ctx)
+        monkeypatch.undo()  # both patches (and this one's): set again for the next compile
+        monkeypatch.setattr(_backend, "propagate", both)
+        pairs.append((got, each, took, len(seen) - took))
+        return got
+
+    monkeypatch.setattr(_backend, "propagate", both)
+    return pairs
+
+
+def _peer(name: str, *marks):
+    import importlib.util
+
+    module = {"torchtitan": "torchtitan", "torchtune": "torchtune", "litgpt": "litgpt", "x": "x_transformers"}
+    missing = importlib.util.find_spec(module[name.split("_")[0]]) is None
+    skip = pytest.mark.skipif(missing, reason="the peer libraries: pip install -e '.[peers]'")
+    return pytest.param(name, marks=[skip, *marks])
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "example_gqa",
+        _peer("torchtitan_deepseek_v3_marked"),
+        *(
+            _peer(n, pytest.mark.slow)
+            for n in ("torchtitan_llama3_flex", "torchtune_gemma2", "x_transformers_shift_tokens")
+        ),
+    ],
+)
+def test_an_alike_call_takes_the_candidates_visiting_its_nodes_finds(fake_world, monkeypatch, name):
+    """Propagation visits one call of each repeated block and context and gives the others its
+    candidates (``propagate._propagate._context``): node for node the strategies, reach, sequence
+    placements and unknown ops that visiting every node finds, on models whose blocks differ
+    (DeepSeek-V3's dense first layer and MoE layers, marked token-local; Gemma 2's sliding and
+    global attention), hold FlexAttention (a rule that reads the graph: always visited), shift
+    tokens across ranks (x-transformers), or have K/V heads fewer than the ranks at a length that
+    does not divide (the example Llama, 4 ranks, 95 tokens). Symbolic lengths (the default)."""
+    fake_world(4)
+    torch.manual_seed(0)
+    pairs = _propagated_both_ways(monkeypatch)
+    if name == "example_gqa":
+        _explain(Llama(LlamaConfig(heads=4, kv_heads=2, layers=4)), 4, 95)
+    else:
+        import peer_models
+
+        model, fn = peer_models.BUILDERS[name]()
+        with autosp.mesh(sp=4):
+            step = autosp.shard(lambda ids: fn(model, ids), compiler="aot_eager")
+            autosp.explain(step, torch.randint(0, peer_models.VOCAB, (1, 64)))
+    assert pairs
+    for got, each, visits, every in pairs:
+        assert got.strategies.keys() == each.strategies.keys()
+        assert [nd for nd in got.strategies if got.strategies[nd] != each.strategies[nd]] == []
+        assert got.reach == each.reach and got.seq == each.seq
+        assert got.no_rule == each.no_rule and got.rows == each.rows
+        assert visits <= every
+        if name == "example_gqa":  # 4 layers: the 2nd to 4th forward calls taken, in both sweeps
+            assert visits < every * 0.6, (visits, every)
+
+
 def test_a_failed_capture_of_alike_blocks_falls_back_to_tracing_each(fake_world, monkeypatch):
     """Should torch's capture of the outlined blocks fail (before autosp's passes run), the step is
     captured again with every block traced, with a warning, and planned as it would have been."""

@@ -18,9 +18,11 @@ import torch.fx as fx
 
 from .._context import ATTENTION_KERNELS, SpContext
 from .._graph import out_vals, tensor_inputs
+from .._repeats import Call, calls
 from ..errors import PlanError
 from ._annotate import ANNOTATE
 from ._attention import hybrid_strategies
+from ._flex import FLEX, FLEX_BACKWARD
 from ._placement import P, R, can_shard, is_shard, shard, shard_spec
 from ._rules import FILLED_FACTORIES, selection_read, strategies_for
 from ._strategy import Strategy
@@ -49,9 +51,10 @@ def propagate(gm: fx.GraphModule, ctx: SpContext) -> Candidates:
     """Candidate strategies for every node of the joint graph (see the module docstring).
     ``ctx.options.attention`` other than "auto" keeps only that kernel's strategies for attention
     ops; a 2D sp mesh (``ctx.ulysses`` > 1) offers hybrid attention too."""
-    first = _forward(gm, ctx, {})
+    blocks = calls(gm.graph)
+    first = _forward(gm, ctx, {}, blocks=blocks)
     wanted, rows = _wants(gm, first, ctx)
-    return _forward(gm, ctx, wanted, rows)
+    return _forward(gm, ctx, wanted, rows, blocks)
 
 
 def _activation(reach: frozenset) -> bool:
@@ -118,14 +121,69 @@ def _seed(c: Candidates, node: fx.Node) -> None:
         c.seq[(node, 0)] = frozenset()
 
 
-def _forward(gm: fx.GraphModule, ctx: SpContext, wanted: dict, rows: dict | None = None) -> Candidates:
-    c = Candidates(rows={k for k, v in (rows or {}).items() if v})
+def _forward(
+    gm: fx.GraphModule, ctx: SpContext, wanted: dict, rows: dict | None = None, blocks: list[Call] = ()
+) -> Candidates:
+    """One sweep. A repeated block's call (``blocks``) whose context is an earlier alike call's
+    (``_context``) takes that call's candidates node for node, not visited again: propagating
+    costs one visit per distinct block and context, not one per layer."""
+    rows = rows or {}
+    c = Candidates(rows={k for k, v in rows.items() if v})
+    starts = {call.nodes[0]: call for call in blocks}
+    seen: dict[tuple, Call] = {}
+    copied: set[fx.Node] = set()
     for node in gm.graph.nodes:
+        call = starts.get(node)
+        if call is not None and (key := _context(c, call, wanted, rows)) is not None:
+            ref = seen.setdefault(key, call)
+            if ref is not call:
+                _take(c, ref, call)
+                copied.update(call.nodes)
+        if node in copied:
+            continue
         if node.op in ("placeholder", "get_attr"):
             _seed(c, node)
         elif node.op == "call_function":
-            _visit(c, node, ctx, wanted, rows or {})
+            _visit(c, node, ctx, wanted, rows)
     return c
+
+
+# ops whose rules read the graph beyond their own arguments (FlexAttention's: whether a backward
+# returns a gradient for a captured tensor): a call holding one is always visited
+_READS_GRAPH = (FLEX, FLEX_BACKWARD)
+
+
+def _context(c: Candidates, call: Call, wanted: dict, rows: dict) -> tuple | None:
+    """What ``_visit`` reads for ``call``'s nodes besides their ops and shapes (``Call.signature``):
+    the reach, sequence and requests of each value it reads from outside, in order, and the
+    requests and mask rows of its own values, by position; None where a rule reads more (a call
+    that is then visited node by node)."""
+    at = {nd: i for i, nd in enumerate(call.nodes)}
+    outside, own = [], []
+    for nd in call.nodes:
+        if nd.target in _READS_GRAPH:
+            return None
+        for key in tensor_inputs(nd):
+            if key[0] not in at:
+                outside.append((c.reach.get(key), c.seq.get(key), wanted.get(key)))
+        read = selection_read(nd) if nd.op == "call_function" else None
+        if read is not None:  # the selection it scatters into: by position inside, else itself
+            read = (at[read[0]], read[1]) if read[0] in at else (read, c.seq.get(read))
+        own.append((read, *((wanted.get((nd, i)), rows.get((nd, i))) for i in range(len(out_vals(nd))))))
+    return (call.name, call.signature, tuple(outside), tuple(own))
+
+
+def _take(c: Candidates, ref: Call, call: Call) -> None:
+    """``ref``'s candidates for ``call``'s nodes, node for node (strategies are placements only)."""
+    for a, b in zip(ref.nodes, call.nodes, strict=True):
+        if a in c.strategies:
+            c.strategies[b] = c.strategies[a]
+        if a in c.no_rule:
+            c.no_rule.add(b)
+        for i in range(len(out_vals(a))):
+            for table in (c.reach, c.seq):
+                if (a, i) in table:
+                    table[(b, i)] = table[(a, i)]
 
 
 def _rows_justified(node: fx.Node, s: Strategy, rows: dict) -> bool:

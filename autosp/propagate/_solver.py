@@ -19,6 +19,12 @@ from p to q: the edge's flow. Its flow out of p equals u's choice of a strategy 
 flow into q equals the consumer's choice of a strategy requiring q (the graph's outputs require
 Replicate). Each flow costs its collective's bytes; an all-to-all's bytes are on one variable per
 (value, p, q), at least every flow of it, since it runs once for all the ops that read it.
+
+A repeated block's alike calls choose alike (``_alike``): a node of a later call takes the
+variables of its counterpart in the first call, its costs added to theirs, and an edge whose two
+ends choose as an earlier edge's do takes that edge's flows (in every solution they carry what
+that edge's carry), its costs added to theirs. The program grows with the distinct blocks, not
+with the depth; its optimum is the one the program with every node and edge apart has.
 """
 
 from __future__ import annotations
@@ -158,18 +164,32 @@ def _flow_cost(c: Candidates, v: fx.Node, u: fx.Node, i: int, kind: str, size: f
     return transfer_bytes(kind, size, n) + latency + forbidden
 
 
-def _add_edge(prog: _Program, c: Candidates, choose: dict, edge, j: int, n: int, is_output: bool, shared: dict) -> None:
+def _add_edge(
+    prog: _Program, c: Candidates, choose: dict, edge, j: int, n: int, is_output: bool, shared: dict, built: dict
+) -> None:
     """Flow variables and their two sets of rows for input j of a consumer (see the module
     docstring). An all-to-all runs once per (value, placement), however many ops read it
     (``partition._localize`` reuses it): its cost is on one variable per (value, source,
-    destination) in ``shared``, at least each of its edges' flows."""
+    destination) in ``shared``, at least each of its edges' flows. ``built``: the flows of each
+    edge by its ends' variables; an edge whose ends choose as a built one's takes its flows."""
     v, v_strategies, ins = edge
     u, i = ins[j]
     produced = sorted({s.outs[i] for s in c.strategies[u]}, key=str)
     required = sorted({s.ins[j] for s in v_strategies}, key=str)
     size = nbytes(out_vals(u)[i]) * _seq_scale(c, (u, i))
     fixed = padded_lse(u, i) is not None  # the attention backward reading it runs split as its forward
-    flow = {}
+    ends = (id(choose[u]), i, id(choose[v]) if v in choose else v, j)
+    flow = built.get(ends)
+    taken = flow is not None
+
+    def var(pq, cost: float) -> int:
+        if taken:  # an alike edge's flow: the same value in every solution, the costs add
+            prog.cost[flow[pq]] += cost
+        else:
+            flow[pq] = prog.var(cost)
+        return flow[pq]
+
+    flow = flow if taken else {}
     for p in produced:
         for q in required:
             kind = redistribute_kind(p, q)
@@ -177,14 +197,17 @@ def _add_edge(prog: _Program, c: Candidates, choose: dict, edge, j: int, n: int,
                 continue
             cost = _flow_cost(c, v, u, i, kind, size, n, is_output)
             if kind != "all_to_all" or is_output:
-                flow[(p, q)] = prog.var(cost)
+                var((p, q), cost)
                 continue
             once = _flow_cost(c, None, u, i, kind, size, n, is_output)  # the collective itself
             key = (u, i, p, q)
             if key not in shared:
                 shared[key] = prog.var(once)
-            flow[(p, q)] = prog.var(cost - once)  # this consumer's own part (a no-rule penalty)
-            prog.equal([(shared[key], 1.0), (flow[(p, q)], -1.0), (prog.var(0.0), -1.0)], 0.0)  # slack >= 0
+            mine = var((p, q), cost - once)  # this consumer's own part (a no-rule penalty)
+            prog.equal([(shared[key], 1.0), (mine, -1.0), (prog.var(0.0), -1.0)], 0.0)  # slack >= 0
+    if taken:  # its rows are the built edge's
+        return
+    built[ends] = flow
     for p in produced:
         prog.equal(
             [(flow[(p, q)], 1.0) for q in required if (p, q) in flow]
@@ -236,7 +259,7 @@ def _kernel_cost(s: Strategy, mem_weight: float) -> float:
     return (s.comm + mem_weight * s.held) * SEQ_WEIGHT
 
 
-def _alike(gm: fx.GraphModule, c: Candidates) -> list[tuple[fx.Node, fx.Node]]:
+def _alike(blocks: list, c: Candidates) -> list[tuple[fx.Node, fx.Node]]:
     """Pairs of nodes that take the same strategy: each node of a repeated block's call and its
     counterpart in the first call of the same ops on the same shapes (``_repeats``), where every
     node of the two has the same candidates. A repeated block is then planned once, whatever
@@ -244,7 +267,7 @@ def _alike(gm: fx.GraphModule, c: Candidates) -> list[tuple[fx.Node, fx.Node]]:
     to pick, which the per-rank graph would have to trace call by call, ``partition._stamp``)."""
     first: dict[tuple, list[fx.Node]] = {}
     pairs = []
-    for call in calls(gm.graph):
+    for call in blocks:
         nodes = [nd for nd in call.nodes if nd in c.strategies]
         ref = first.setdefault((call.name, call.signature), nodes)
         if ref is not nodes and all(c.strategies[a] == c.strategies[b] for a, b in zip(nodes, ref, strict=True)):
@@ -252,7 +275,7 @@ def _alike(gm: fx.GraphModule, c: Candidates) -> list[tuple[fx.Node, fx.Node]]:
     return pairs
 
 
-def _tie_break(gm: fx.GraphModule, nodes: list[fx.Node]) -> dict[fx.Node, float]:
+def _tie_break(blocks: list, nodes: list[fx.Node]) -> dict[fx.Node, float]:
     """Each node's tie-break weight: its k-th strategy costs k times it more. Plans of the same
     cost are common (a rotary embedding on q before the all-to-all and on k after it, or the
     other way round), and the solver took any, so the same model captured otherwise (its blocks
@@ -262,7 +285,7 @@ def _tie_break(gm: fx.GraphModule, nodes: list[fx.Node]) -> dict[fx.Node, float]
     graph was captured. At most a few bytes over a whole graph: below any difference in what a
     plan moves or keeps."""
     where: dict[fx.Node, tuple] = {}
-    for call in calls(gm.graph):
+    for call in blocks:
         seen: dict[str, int] = {}
         for nd in call.nodes:
             t = str(nd.target)
@@ -289,12 +312,20 @@ def solve(gm: fx.GraphModule, c: Candidates, ctx: SpContext) -> Choice:
     nodes = [nd for nd in gm.graph.nodes if nd in c.strategies]
     prog = _Program()
     choose: dict[fx.Node, list[int]] = {}  # node -> its strategies' variables
-    tie = _tie_break(gm, nodes)
+    blocks = calls(gm.graph)
+    tie = _tie_break(blocks, nodes)
+    alike = dict(_alike(blocks, c))  # a later call's node -> its counterpart in the first call
     for nd in nodes:
-        choose[nd] = [
-            prog.var(mem_weight * _out_bytes(c, nd, s, n) + _kernel_cost(s, mem_weight) + tie[nd] * k)
+        costs = [
+            mem_weight * _out_bytes(c, nd, s, n) + _kernel_cost(s, mem_weight) + tie[nd] * k
             for k, s in enumerate(c.strategies[nd])
         ]
+        if nd in alike:  # alike calls choose alike: one set of variables, the costs added
+            choose[nd] = choose[alike[nd]]
+            for x, cost in zip(choose[nd], costs, strict=True):
+                prog.cost[x] += cost
+        else:
+            choose[nd] = [prog.var(cost) for cost in costs]
     for nd in nodes:
         if not c.strategies[nd]:
             raise PlanError(
@@ -302,16 +333,15 @@ def solve(gm: fx.GraphModule, c: Candidates, ctx: SpContext) -> Choice:
                 "no exact placement for this op with the placements its inputs can take",
                 "annotate its inputs with autosp.annotate to pin a layout",
             )
-        prog.equal([(x, 1.0) for x in choose[nd]], 1.0)
-    for a, b in _alike(gm, c):  # alike calls of a repeated block choose alike
-        for x, y in zip(choose[a], choose[b], strict=True):
-            prog.equal([(x, 1.0), (y, -1.0)], 0.0)
+        if nd not in alike:
+            prog.equal([(x, 1.0) for x in choose[nd]], 1.0)
     n_choices = len(prog.cost)
     out_node = gm.graph.output_node()
     shared: dict = {}
+    built: dict = {}
     for edge in _edges(gm, c, nodes):
         for j in range(len(edge[2])):
-            _add_edge(prog, c, choose, edge, j, n, edge[0] is out_node, shared)
+            _add_edge(prog, c, choose, edge, j, n, edge[0] is out_node, shared, built)
     x = prog.minimise(n_choices)
     chosen = {nd: c.strategies[nd][max(range(len(choose[nd])), key=lambda k: x[choose[nd][k]])] for nd in nodes}
     comm = sum(prog.cost[k] * x[k] for k in range(n_choices, len(prog.cost)))  # as the solver saw it: scaled

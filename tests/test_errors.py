@@ -183,6 +183,26 @@ def test_a_median_along_the_sequence_is_gathered_and_explained(fake_world):
     assert any("int64" in n and "is all-gathered for" in n and "test_errors.py" in n for n in plan.notes), plan.notes
 
 
+def test_a_returned_view_of_a_split_activation_is_gathered_where_it_is_returned(fake_world):
+    """A step returning a view of a sequence-split product (a head's logits, as ``mm`` then
+    ``_unsafe_view`` back to batch x sequence x vocabulary, what HF's ``lm_head`` traces to) is
+    gathered once, where the step returns it, and ``explain`` says so. Gathering it one op earlier,
+    for the view, sends the same bytes; the solver's tie-break took that plan, and the note then
+    said the view reads the sequence whole (no exact strategy keeps it split), which is false: of
+    equally cheap plans the one keeping values split further is taken (``_tie_order``)."""
+    fake_world(2)
+    emb, head = torch.nn.Embedding(16, 32), torch.nn.Linear(32, 24, bias=False)
+
+    def step(ids):
+        return head(emb(ids))  # (2, 64, 24): the logits returned whole, as one device returns them
+
+    plan = _explain(step, torch.randint(0, 16, (2, 64)))
+    gathers = [c for c in plan.collectives if c.kind == "all_gather"]
+    assert [c.consumer for c in gathers] == ["output"], plan.collectives
+    assert any("the step returns it" in n for n in plan.notes), plan.notes
+    assert not any("no exact strategy of that op keeps it" in n for n in plan.notes), plan.notes
+
+
 def test_a_compiler_disabled_function_in_the_step_is_named(fake_world):
     """A function wrapped with ``torch.compiler.disable`` (torchtune's ``chunked_output``) breaks
     the graph: the error names the function and the line that calls it. Before, autosp's search for

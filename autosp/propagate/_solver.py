@@ -275,8 +275,21 @@ def _alike(blocks: list, c: Candidates) -> list[tuple[fx.Node, fx.Node]]:
     return pairs
 
 
+def _tie_order(strategies: list[Strategy]) -> list[int]:
+    """Each strategy's place in the order ties are broken in: those leaving fewer outputs whole
+    (replicated) first, then as listed. Of two plans that send and keep the same bytes, the one
+    that keeps a value split further takes it: a value the step returns is gathered where it is
+    returned, not one op before (a view of it: the same bytes, but the plan's note then named the
+    view as reading the sequence whole)."""
+    ranked = sorted(range(len(strategies)), key=lambda k: (sum(o == R for o in strategies[k].outs), k))
+    place = [0] * len(strategies)
+    for at, k in enumerate(ranked):
+        place[k] = at
+    return place
+
+
 def _tie_break(blocks: list, nodes: list[fx.Node]) -> dict[fx.Node, float]:
-    """Each node's tie-break weight: its k-th strategy costs k times it more. Plans of the same
+    """Each node's tie-break weight: its k-th strategy (``_tie_order``) costs k times it more. Plans of the same
     cost are common (a rotary embedding on q before the all-to-all and on k after it, or the
     other way round), and the solver took any, so the same model captured otherwise (its blocks
     traced each, not once) was planned otherwise, with another checkpointing ladder. The weight
@@ -316,8 +329,9 @@ def solve(gm: fx.GraphModule, c: Candidates, ctx: SpContext) -> Choice:
     tie = _tie_break(blocks, nodes)
     alike = dict(_alike(blocks, c))  # a later call's node -> its counterpart in the first call
     for nd in nodes:
+        order = _tie_order(c.strategies[nd])
         costs = [
-            mem_weight * _out_bytes(c, nd, s, n) + _kernel_cost(s, mem_weight) + tie[nd] * k
+            mem_weight * _out_bytes(c, nd, s, n) + _kernel_cost(s, mem_weight) + tie[nd] * order[k]
             for k, s in enumerate(c.strategies[nd])
         ]
         if nd in alike:  # alike calls choose alike: one set of variables, the costs added
